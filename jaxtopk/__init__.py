@@ -1,0 +1,16 @@
+"""jaxtopk: certified Top-k sparse attention for JAX and Flax.
+
+Attention that looks at a fraction of the keys and returns, with every call,
+a certificate bounding the softmax mass (total variation) it dropped.
+"""
+
+from jaxtopk import theory
+from jaxtopk.selection import Certificate
+from jaxtopk.selection import Certified
+from jaxtopk.selection import Dense
+from jaxtopk.selection import FixedK
+from jaxtopk.selection import Policy
+from jaxtopk.selection import PowerLaw
+from jaxtopk.selection import Ratio
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""jaxtopk.kernels."""

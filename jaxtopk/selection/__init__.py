@@ -1,0 +1,9 @@
+"""Which keys are kept: policies, certified search, certificates."""
+
+from jaxtopk.selection._certificate import Certificate
+from jaxtopk.selection._policies import Certified
+from jaxtopk.selection._policies import Dense
+from jaxtopk.selection._policies import FixedK
+from jaxtopk.selection._policies import Policy
+from jaxtopk.selection._policies import PowerLaw
+from jaxtopk.selection._policies import Ratio

@@ -1,0 +1,277 @@
+"""Blockwise tail bound and sound per-block logit upper bounds (THEORY 3.3).
+
+Keys are split into contiguous blocks of ``block_size`` along the key axis
+(the last block may be ragged: its missing keys count as padding). A block's
+summary gives an upper bound u_b on every logit q.k_i * scale in the block
+WITHOUT scoring it:
+
+- box: per-dimension min m_c and max M_c of the block's keys,
+  u_b = scale * sum_c max(q_c m_c, q_c M_c);
+- ball: centre c_b (the mean) and radius r_b = max ||k_i - c_b||,
+  u_b = scale * (q.c_b + ||q|| r_b).
+
+Both are exact inequalities in real arithmetic; the float versions here are
+rounded UP by a stated slack so that they remain above the float64 truth
+(THEORY 3.4). ``scale`` must be positive.
+
+With S the scored keys and H a kept subset of S,
+  Z_T <= sum_{i in S \\ H} e^{s_i} + sum_{b unscored} |B_b| e^{u_b} =: U,
+  tau <= U / (Z_H + U).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.special import logsumexp
+
+from jaxtopk.theory import _tail
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BoxSummary:
+  """Per-block bounding boxes of keys.
+
+  Attributes:
+    kmin: ``[..., n_blocks, head_dim]`` per-dimension minimum over real keys.
+    kmax: ``[..., n_blocks, head_dim]`` per-dimension maximum over real keys.
+    count: ``[..., n_blocks]`` int32 number of real keys in the block.
+  """
+
+  kmin: jax.Array
+  kmax: jax.Array
+  count: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BallSummary:
+  """Per-block bounding balls of keys.
+
+  Attributes:
+    centre: ``[..., n_blocks, head_dim]`` mean of the block's real keys.
+    radius: ``[..., n_blocks]`` max distance of a real key to the centre,
+      rounded up.
+    count: ``[..., n_blocks]`` int32 number of real keys in the block.
+  """
+
+  centre: jax.Array
+  radius: jax.Array
+  count: jax.Array
+
+
+def _blocked(keys, block_size, mask):
+  """Pads the key axis to a multiple of block_size; returns blocked views."""
+  keys = jnp.asarray(keys)
+  if keys.ndim < 2:
+    raise ValueError(f"keys must be [..., n_keys, head_dim]; got {keys.shape=}")
+  if block_size < 1:
+    raise ValueError(f"{block_size=} must be >= 1")
+  *lead, n, d = keys.shape
+  valid = (
+    jnp.ones((*lead, n), bool)
+    if mask is None
+    else jnp.broadcast_to(jnp.asarray(mask, bool), (*lead, n))
+  )
+  n_blocks = -(-n // block_size)
+  pad = n_blocks * block_size - n
+  dt = _tail.compute_dtype(keys.dtype)
+  keys = jnp.pad(keys.astype(dt), [(0, 0)] * len(lead) + [(0, pad), (0, 0)])
+  valid = jnp.pad(valid, [(0, 0)] * len(lead) + [(0, pad)])
+  kb = keys.reshape(*lead, n_blocks, block_size, d)  # [..., nb, bs, d]
+  vb = valid.reshape(*lead, n_blocks, block_size)  # [..., nb, bs]
+  return kb, vb
+
+
+def box_summary(keys, *, block_size: int, mask=None) -> BoxSummary:
+  """Per-block min/max boxes of ``keys`` (THEORY 3.3, box form).
+
+  Args:
+    keys: ``[..., n_keys, head_dim]``.
+    block_size: keys per block (static); the last block may be ragged.
+    mask: optional ``[..., n_keys]`` bool, False for padded keys.
+
+  Returns:
+    A BoxSummary with ``n_blocks = ceil(n_keys / block_size)``. A block with
+    no real key has count 0 and a zero box.
+  """
+  kb, vb = _blocked(keys, block_size, mask)
+  big = jnp.finfo(kb.dtype).max
+  v = vb[..., None]
+  kmin = jnp.min(jnp.where(v, kb, big), axis=-2)  # [..., nb, d]
+  kmax = jnp.max(jnp.where(v, kb, -big), axis=-2)  # [..., nb, d]
+  count = jnp.sum(vb, axis=-1, dtype=jnp.int32)  # [..., nb]
+  empty = (count == 0)[..., None]
+  return BoxSummary(
+    kmin=jnp.where(empty, 0.0, kmin),
+    kmax=jnp.where(empty, 0.0, kmax),
+    count=count,
+  )
+
+
+def ball_summary(keys, *, block_size: int, mask=None) -> BallSummary:
+  """Per-block centre and radius of ``keys`` (THEORY 3.3, ball form).
+
+  The radius is rounded up by a relative slack so that ||k_i - c|| <= r holds
+  for the float64 values of the keys and centre.
+
+  Args:
+    keys: ``[..., n_keys, head_dim]``.
+    block_size: keys per block (static); the last block may be ragged.
+    mask: optional ``[..., n_keys]`` bool, False for padded keys.
+
+  Returns:
+    A BallSummary with ``n_blocks = ceil(n_keys / block_size)``.
+  """
+  kb, vb = _blocked(keys, block_size, mask)
+  count = jnp.sum(vb, axis=-1, dtype=jnp.int32)  # [..., nb]
+  v = vb[..., None]
+  denom = jnp.maximum(count, 1)[..., None].astype(kb.dtype)
+  centre = jnp.sum(jnp.where(v, kb, 0.0), axis=-2) / denom  # [..., nb, d]
+  diff = kb - centre[..., None, :]  # [..., nb, bs, d]
+  d = kb.shape[-1]
+  eps = jnp.finfo(kb.dtype).eps
+  dist = jnp.sqrt(jnp.sum(diff * diff, axis=-1))  # [..., nb, bs]
+  # Round-off in diff, the squares, the sum and the sqrt: relative (d + 4) eps
+  # of the distance plus (d + 4) eps of the key and centre magnitudes.
+  mag = (
+    jnp.sqrt(jnp.sum(kb * kb, axis=-1))
+    + jnp.sqrt(jnp.sum(centre * centre, axis=-1))[..., None]
+  )
+  dist = dist + (d + 4) * eps * (dist + mag)
+  radius = jnp.max(jnp.where(vb, dist, 0.0), axis=-1)  # [..., nb]
+  return BallSummary(centre=centre, radius=radius, count=count)
+
+
+def _dot_slack(abs_terms_sum, d, dtype):
+  """Upper bound on the rounding error of a d-term float dot product."""
+  return (d + 2) * jnp.finfo(dtype).eps * abs_terms_sum
+
+
+def box_upper_bound(query, summary: BoxSummary, *, scale) -> jax.Array:
+  """Sound upper bound on the logits of every block, from its box.
+
+  u_b = scale * sum_c max(q_c m_c, q_c M_c) >= max_{i in B_b} scale q.k_i,
+  rounded up. Empty blocks get -inf (they hold no mass).
+
+  Args:
+    query: ``[..., head_dim]``; leading axes broadcast against the summary's.
+    summary: BoxSummary with ``[..., n_blocks, head_dim]`` boxes.
+    scale: positive logit scale (e.g. 1/sqrt(head_dim)).
+
+  Returns:
+    ``[..., n_blocks]`` upper bounds in float32 (float64 for float64 input).
+  """
+  dt = summary.kmin.dtype
+  q = jnp.asarray(query).astype(dt)[..., None, :]  # [..., 1, d]
+  terms = jnp.maximum(q * summary.kmin, q * summary.kmax)  # [..., nb, d]
+  u = jnp.sum(terms, axis=-1)
+  slack = _dot_slack(jnp.sum(jnp.abs(terms), axis=-1), q.shape[-1], dt)
+  u = scale * (u + slack)
+  u = u + jnp.abs(u) * 2 * jnp.finfo(dt).eps
+  return jnp.where(summary.count > 0, u, -jnp.inf)
+
+
+def ball_upper_bound(query, summary: BallSummary, *, scale) -> jax.Array:
+  """Sound upper bound on the logits of every block, from its ball.
+
+  u_b = scale * (q.c_b + ||q|| r_b) >= max_{i in B_b} scale q.k_i (Cauchy-
+  Schwarz), rounded up. Empty blocks get -inf.
+
+  Args:
+    query: ``[..., head_dim]``; leading axes broadcast against the summary's.
+    summary: BallSummary with ``[..., n_blocks, head_dim]`` centres.
+    scale: positive logit scale.
+
+  Returns:
+    ``[..., n_blocks]`` upper bounds in float32 (float64 for float64 input).
+  """
+  dt = summary.centre.dtype
+  q = jnp.asarray(query).astype(dt)
+  d = q.shape[-1]
+  qn = jnp.sqrt(jnp.sum(q * q, axis=-1))[..., None]  # [..., 1]
+  qn = qn * (1 + (d + 2) * jnp.finfo(dt).eps)
+  prod = q[..., None, :] * summary.centre  # [..., nb, d]
+  qc = jnp.sum(prod, axis=-1)  # [..., nb]
+  slack = _dot_slack(jnp.sum(jnp.abs(prod), axis=-1), d, dt)
+  u = scale * (qc + slack + qn * summary.radius)
+  u = u + jnp.abs(u) * 4 * jnp.finfo(dt).eps
+  return jnp.where(summary.count > 0, u, -jnp.inf)
+
+
+def blockwise_log_bound_row(
+  logits, keep, scored, block_upper, block_count, mask=None
+) -> jax.Array:
+  """log of the THEORY 3.3 bound for one row; see ``blockwise_bound``."""
+  s = logits.astype(_tail.compute_dtype(logits.dtype))
+  valid = jnp.ones(s.shape, bool) if mask is None else mask
+  scored = jnp.asarray(scored, bool) & valid
+  keep = jnp.asarray(keep, bool) & scored
+  u = jnp.asarray(block_upper).astype(s.dtype)
+  cnt = jnp.asarray(block_count)
+  lse_head = logsumexp(s, where=keep)
+  lse_scored_tail = logsumexp(s, where=scored & ~keep)
+  has = cnt > 0
+  lse_unscored = logsumexp(
+    jnp.where(has, u + jnp.log(jnp.maximum(cnt, 1).astype(s.dtype)), 0.0),
+    where=has,
+  )
+  log_u = jnp.logaddexp(lse_scored_tail, lse_unscored)
+  log_bound = log_u - jnp.logaddexp(lse_head, log_u)
+  n_terms = s.shape[-1] + cnt.shape[-1]
+  log_bound = log_bound + _tail.log_slack(n_terms, s.dtype)
+  return jnp.minimum(log_bound, 0.0)
+
+
+def blockwise_log_bound(
+  logits, keep, scored, block_upper, block_count, mask=None
+) -> jax.Array:
+  """log of the blockwise tail bound over any leading axes (THEORY 3.3).
+
+  Args:
+    logits: ``[..., n_keys]``; only entries where ``scored`` is True are read.
+    keep: ``[..., n_keys]`` bool kept set H; entries not scored are ignored
+      (a key that was not scored cannot be kept).
+    scored: ``[..., n_keys]`` bool, the keys S whose logits were computed.
+    block_upper: ``[..., n_blocks]`` sound upper bounds u_b on the logits of
+      the UNSCORED blocks (e.g. from ``box_upper_bound``).
+    block_count: ``[..., n_blocks]`` number of real keys in each unscored
+      block; 0 for blocks that were scored (their keys are in ``scored``).
+    mask: optional ``[..., n_keys]`` bool, False for padded keys.
+
+  Returns:
+    ``[...]`` log of an upper bound on tau, rounded up; 0 (tau <= 1) when
+    nothing is kept, -inf when no real mass lies outside H.
+  """
+  logits = jnp.asarray(logits)
+  _tail.check_same_shape(logits, keep=keep, scored=scored, mask=mask)
+  if jnp.shape(block_upper) != jnp.shape(block_count):
+    raise ValueError(
+      f"block_upper has shape {jnp.shape(block_upper)} but block_count has"
+      f" shape {jnp.shape(block_count)}; they must match."
+    )
+  valid = _tail._valid(logits, mask)
+  fn = blockwise_log_bound_row
+  for _ in range(logits.ndim - 1):
+    fn = jax.vmap(fn)
+  return fn(logits, keep, scored, block_upper, block_count, valid)
+
+
+def blockwise_bound(
+  logits, keep, scored, block_upper, block_count, mask=None
+) -> jax.Array:
+  """Upper bound on tau from scored keys plus unscored block bounds.
+
+  THEORY 3.3: tau <= U / (Z_H + U) with
+  U = sum_{scored, not kept} e^{s_i} + sum_{unscored blocks} |B_b| e^{u_b}.
+  Sound whenever every u_b bounds its block's logits (use ``box_upper_bound``
+  or ``ball_upper_bound``, or their minimum). See ``blockwise_log_bound`` for
+  the arguments.
+
+  Returns:
+    ``[...]`` upper bound on tau in float32 (float64 for float64 input).
+  """
+  return jnp.exp(
+    blockwise_log_bound(logits, keep, scored, block_upper, block_count, mask)
+  )
