@@ -158,6 +158,8 @@ class SmallBertTest(parameterized.TestCase):
     calls = []
 
     def recording(query, key, value, **kwargs):
+      self.assertIsNone(kwargs["module"])  # sow_weights=False
+      self.assertFalse(kwargs["is_causal"])
       calls.append((query.shape, kwargs["mask"].shape, kwargs["dtype"]))
       return _dense_attention(query, key, value, **kwargs)
 
@@ -181,6 +183,25 @@ class SmallBertTest(parameterized.TestCase):
     )
     changed = _forward(_small_model(attention_fn=uniform), ids, mask, types)
     self.assertGreater(float(jnp.max(jnp.abs(changed - dense))), 1e-3)
+
+  def test_sow_weights_passes_the_layer_as_module(self):
+    model = _small_model()
+    ids, mask, types = _small_inputs()
+    model(ids, mask, types)
+    self.assertEmpty(jax.tree.leaves(nnx.state(model, nnx.Intermediate)))
+    forward = nnx.capture(
+      lambda m: m(ids, mask, types, return_logits=True, sow_weights=True),
+      nnx.Intermediate,
+    )
+    (_, trace), sown = forward(model)
+    for layer in range(_SMALL.num_layers):
+      sown_layer = sown["layers"][layer]["attention"]
+      (weights,) = sown_layer["attention_weights"].get_value()
+      key_mask = trace.key_mask[:, None, None, :]  # [b, 1, 1, s]
+      probs = jax.nn.softmax(trace.logits[layer], axis=-1, where=key_mask)
+      np.testing.assert_allclose(
+        weights, jnp.where(key_mask, probs, 0.0), **tol(jnp.float32)
+      )
 
   def test_bfloat16_compute(self):
     ids, mask, types = _small_inputs()
