@@ -158,6 +158,19 @@ class AttentionTrace(NamedTuple):
   inputs: tuple[Array, ...]
 
 
+def _check_range(name: str, ids, size: int) -> None:
+  """Raises if concrete ``ids`` fall outside ``[0, size)`` (skipped in jit).
+
+  Out-of-range ids would otherwise be filled silently by the embedding
+  lookup; under jit the values are unknown and nothing is checked.
+  """
+  if isinstance(ids, jax.core.Tracer):
+    return
+  lo, hi = int(jnp.min(ids)), int(jnp.max(ids))
+  if lo < 0 or hi >= size:
+    raise ValueError(f"{name} must lie in [0, {size}), got min {lo} max {hi}")
+
+
 def _layer_norm(config, dtype, param_dtype, rngs):
   # Two-pass variance (use_fast_variance=False) as PyTorch computes it.
   return nnx.LayerNorm(
@@ -408,7 +421,8 @@ class MiniLM(nnx.Module):
 
     Raises:
       ValueError: on shapes that are not ``[batch, seq]``, mismatched shapes,
-        non-integer ids, or ``seq`` longer than the position table.
+        non-integer ids, ``seq`` longer than the position table, or (outside
+        jit only) ids outside the vocabulary or token-type table.
     """
     input_ids = jnp.asarray(input_ids)
     if input_ids.ndim != 2:
@@ -421,6 +435,7 @@ class MiniLM(nnx.Module):
         f"sequence length {seq} must be in [1, max_position_embeddings="
         f"{self.config.max_position_embeddings}]"
       )
+    _check_range("input_ids", input_ids, self.config.vocab_size)
     if attention_mask is None:
       key_mask = jnp.ones(input_ids.shape, bool)
     else:
@@ -440,6 +455,9 @@ class MiniLM(nnx.Module):
         )
       if not jnp.issubdtype(token_type_ids.dtype, jnp.integer):
         raise ValueError(f"{token_type_ids.dtype=} must be an integer dtype")
+      _check_range(
+        "token_type_ids", token_type_ids, self.config.type_vocab_size
+      )
 
     x = self.embeddings(input_ids, token_type_ids)  # [b, s, hidden]
     records, inputs = [], []

@@ -231,6 +231,13 @@ class SmallBertTest(parameterized.TestCase):
     ),
     ("too_long", dict(input_ids=np.ones((2, 18), int)), "sequence length 18"),
     ("empty", dict(input_ids=np.ones((2, 0), int)), "sequence length 0"),
+    ("id_too_big", dict(input_ids=np.full((2, 5), 13)), "input_ids must lie"),
+    ("negative_id", dict(input_ids=-np.ones((2, 5), int)), "min -1"),
+    (
+      "type_too_big",
+      dict(input_ids=np.ones((2, 5), int), token_type_ids=np.full((2, 5), 2)),
+      r"token_type_ids must lie in \[0, 2\)",
+    ),
   )
   def test_bad_input_raises(self, kwargs, message):
     with self.assertRaisesRegex(ValueError, message):
