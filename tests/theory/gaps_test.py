@@ -145,6 +145,26 @@ class ApiTest(parameterized.TestCase):
     np.testing.assert_allclose(vm, theory.multi_gap_bound(s, 4), rtol=1e-6)
     self.assertEqual(eager.shape, (3, 5))
 
+  def test_linear_bounds_do_not_flush_to_zero(self):
+    # tau ~ 4.5e-39 is subnormal in float32, and XLA on CPU flushes
+    # subnormal results to zero; a linear bound must stay >= the truth.
+    s = jnp.array([0.0, -88.5, -89.0])
+    tau = np.exp(-88.5) + np.exp(-89.0)
+    keep = jnp.array([True, False, False])
+    v = jnp.array([[1.0], [2.0], [3.0]])
+    none = jnp.zeros(0)
+    for b in (
+      theory.single_gap_bound(s, 1),
+      theory.single_gap_bound(s, 1, form="ratio"),
+      theory.multi_gap_bound(s, 1),
+      theory.blockwise_bound(s, keep, ~keep | keep, none, none.astype(int)),
+    ):
+      self.assertGreaterEqual(float(b), tau)
+    err = tau * 1.5  # ~ tau ||mu_tail - mu_head||
+    self.assertGreaterEqual(float(theory.diameter_bound(s, keep, v)), err)
+    self.assertGreaterEqual(float(theory.variance_bound(s, keep, v)), 0.0)
+    self.assertEqual(float(theory.multi_gap_bound(s, 3)), 0.0)
+
   def test_nonfinite_logits_give_nan(self):
     for bad in (jnp.nan, jnp.inf):
       s = jnp.array([0.0, bad, 1.0])
