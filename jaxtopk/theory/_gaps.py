@@ -22,6 +22,11 @@ distribution.
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array
+from jaxtyping import ArrayLike
+from jaxtyping import Bool
+from jaxtyping import Float
+from jaxtyping import Int
 
 from jaxtopk.theory import _rows
 
@@ -117,7 +122,13 @@ def _check_common(logits, topk, mask):
   return logits, _rows.as_mask(logits, mask), topk
 
 
-def single_gap_log_bound(logits, topk, mask=None, *, form="exact_head"):
+def single_gap_log_bound(
+  logits: Float[ArrayLike, "*b n"],
+  topk: int | Int[ArrayLike, "*b"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  form="exact_head",
+) -> Float[Array, "*b"]:
   """log of ``single_gap_bound`` (accurate where the bound underflows)."""
   if form not in _FORMS:
     raise ValueError(f"{form=} must be one of {_FORMS}")
@@ -132,7 +143,13 @@ def single_gap_log_bound(logits, topk, mask=None, *, form="exact_head"):
   )
 
 
-def single_gap_bound(logits, topk, mask=None, *, form="exact_head"):
+def single_gap_bound(
+  logits: Float[ArrayLike, "*b n"],
+  topk: int | Int[ArrayLike, "*b"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  form="exact_head",
+) -> Float[Array, "*b"]:
   """Upper bound on tau for the Top-k set from one boundary gap (THEORY 3.1).
 
   ``form='exact_head'``: tau <= (n-k) e^{s_(k+1)} / (Z_H + (n-k) e^{s_(k+1)}),
@@ -165,7 +182,12 @@ def single_gap_bound(logits, topk, mask=None, *, form="exact_head"):
   return _rows.exp_up(single_gap_log_bound(logits, topk, mask, form=form))
 
 
-def single_gap_certifies(logits, topk, eps, mask=None) -> jax.Array:
+def single_gap_certifies(
+  logits: Float[ArrayLike, "*b n"],
+  topk: int | Int[ArrayLike, "*b"],
+  eps: float | Float[ArrayLike, "*b"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+) -> Bool[Array, "*b"]:
   """Whether the gap criterion of THEORY 3.1 certifies tau <= eps.
 
   True iff Delta_k >= log((n-k)/k) + log((1-eps)/eps), i.e. iff the ratio
@@ -204,7 +226,13 @@ def _check_boundaries(boundaries, topk, n):
   return b
 
 
-def multi_gap_log_bound(logits, topk, mask=None, *, boundaries=None):
+def multi_gap_log_bound(
+  logits: Float[ArrayLike, "*b n"],
+  topk: int | Int[ArrayLike, "*b"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  boundaries=None,
+) -> Float[Array, "*b"]:
   """log of ``multi_gap_bound`` (accurate where the bound underflows)."""
   logits = jnp.asarray(logits)
   _rows.check_has_key_axis(logits)
@@ -220,7 +248,13 @@ def multi_gap_log_bound(logits, topk, mask=None, *, boundaries=None):
   )
 
 
-def multi_gap_bound(logits, topk, mask=None, *, boundaries=None):
+def multi_gap_bound(
+  logits: Float[ArrayLike, "*b n"],
+  topk: int | Int[ArrayLike, "*b"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  boundaries=None,
+) -> Float[Array, "*b"]:
   """Upper bound on tau for the Top-k set from several gaps (THEORY 3.2).
 
   With ranks k = m_0 < m_1 < ... < m_L = n,
