@@ -107,5 +107,86 @@ class KEpsScalingSmokeTest(absltest.TestCase):
     self.assertIn("--overwrite", second.stderr)
 
 
+class BoundTightnessSmokeTest(absltest.TestCase):
+  @pytest.mark.slow
+  def test_smoke_run(self):
+    module, config = _smoke("bound_tightness")
+    workdir = _tmpdir(self)
+    module.run(config, workdir)
+    _check_common_outputs(self, workdir, ["tightness"])
+    records = _common.read_metrics(workdir, "tightness")
+    sources = {r["source"] for r in records}
+    self.assertIn("minilm", sources)
+    self.assertGreater(len(sources), 1)
+    self.assertEqual({r["bound"] for r in records}, set(module.BOUNDS), records)
+    for r in records:
+      # Every bound is sound on every row, hence bound / exact >= 1.
+      self.assertEqual(r["sound_frac"], 1.0, r)
+      if r["rows_with_tail"]:
+        self.assertGreaterEqual(r["ratio_min"], 1.0, r)
+    # The single-gap ratio form is never tighter than the exact-head form.
+    med = {
+      (r["source"], r["rho"], r["bound"]): r["ratio_median"] for r in records
+    }
+    for (src, rho, b), v in med.items():
+      if b == "single_gap_ratio":
+        self.assertGreaterEqual(
+          v * (1 + 1e-5), med[(src, rho, "single_gap_exact_head")]
+        )
+
+
+class OutputErrorSmokeTest(absltest.TestCase):
+  @pytest.mark.slow
+  def test_smoke_run(self):
+    module, config = _smoke("output_error")
+    workdir = _tmpdir(self)
+    module.run(config, workdir)
+    _check_common_outputs(self, workdir, ["output_error"])
+    idents = _common.read_metrics(workdir, "identity")
+    self.assertLen(idents, len(config.rhos))
+    for r in idents:
+      # The head-tail identity matches the dense float64 error to float32
+      # round-off relative to the error's size.
+      self.assertLess(r["max_abs_dev"], 1e-4 + 1e-3 * r["max_real_error"], r)
+    bounds = _common.read_metrics(workdir, "output_bound")
+    self.assertLen(bounds, len(config.rhos) * len(module.BOUNDS))
+    for r in bounds:
+      self.assertEqual(r["sound_frac"], 1.0, r)
+      self.assertGreaterEqual(r["ratio_min"], 1.0 - 1e-5, r)
+
+
+class NcSparsitySmokeTest(absltest.TestCase):
+  @pytest.mark.slow
+  def test_smoke_run(self):
+    module, config = _smoke("nc_sparsity")
+    workdir = _tmpdir(self)
+    module.run(config, workdir)
+    _check_common_outputs(self, workdir, ["nc_sparsity"])
+    cfg = config.synthetic
+    sparsity = _common.read_metrics(workdir, "synthetic_sparsity")
+    self.assertLen(sparsity, len(cfg.growth) * len(cfg.ns))
+    for r in sparsity:
+      for e in config.effective_eps:
+        # At most 1/eps entries can carry mass >= eps.
+        self.assertBetween(r[f"effective@{e}"], 1.0, min(r["n"], 1.0 / e))
+        self.assertBetween(r[f"ineffective@{e}"], 0.0, 1.0)
+      # The weights were rescaled to hit the target logit spread.
+      # (sample std of q * n logits: a few percent of noise).
+      self.assertAlmostEqual(r["sigma"] / r["sigma_target"], 1.0, delta=0.1)
+    # R grows with n (the weights grow to widen the logits).
+    for a in cfg.growth:
+      rs = [r["R"] for r in sparsity if r["a"] == a]
+      self.assertEqual(rs, sorted(rs))
+    policies = _common.read_metrics(workdir, "synthetic_policy")
+    for r in policies:
+      self.assertBetween(r["tv"], 0.0, 1.0)
+      self.assertBetween(r["topk"], 1, r["n"])
+    minilm = _common.read_metrics(workdir, "minilm_sparsity")
+    self.assertLen(minilm, len(config.minilm.max_lens) * 6)
+    r_recs = _common.read_metrics(workdir, "minilm_R")
+    self.assertLen(r_recs, 6 * 12)
+    self.assertTrue(all(r["R"] > 0 for r in r_recs))
+
+
 if __name__ == "__main__":
   absltest.main()
