@@ -197,10 +197,13 @@ class BertSelfAttention(nnx.Module):
 
   ``attention_fn`` is called exactly as ``nnx.MultiHeadAttention`` calls it:
   ``attention_fn(q, k, v, mask=..., dropout_rng=None, dropout_rate=0.0,
-  broadcast_dropout=True, deterministic=True, dtype=..., precision=...)`` with
-  ``q, k, v`` of shape ``[batch, seq, heads, head_dim]`` and a boolean mask
+  broadcast_dropout=True, deterministic=True, dtype=..., precision=...,
+  module=self if sow_weights else None, is_causal=False)`` with ``q, k, v``
+  of shape ``[batch, seq, heads, head_dim]`` and a boolean mask
   ``[batch, 1, 1, seq]`` (True = attend); it returns
-  ``[batch, seq, heads, head_dim]``.
+  ``[batch, seq, heads, head_dim]``. With ``sow_weights`` the function may
+  sow into this module (dense: ``attention_weights``; jaxtopk's
+  ``topk_attention_fn``: its ``certificate``).
   """
 
   def __init__(
@@ -231,7 +234,7 @@ class BertSelfAttention(nnx.Module):
     self.precision = precision
     self.attention_fn = attention_fn
 
-  def __call__(self, x, key_mask, *, trace: bool = False):
+  def __call__(self, x, key_mask, *, trace=False, sow_weights=False):
     b, s, _ = x.shape
     split = lambda t: t.reshape(b, s, self.num_heads, self.head_dim)
     q = split(self.query(x))  # [b, s, h, dh]
@@ -249,6 +252,8 @@ class BertSelfAttention(nnx.Module):
       deterministic=True,
       dtype=self.dtype,
       precision=self.precision,
+      module=self if sow_weights else None,
+      is_causal=False,
     )  # [b, s, h, dh]
     y = self.out(o.reshape(b, s, self.num_heads * self.head_dim))
     if not trace:
@@ -316,8 +321,10 @@ class BertLayer(nnx.Module):
     self.output_norm = _layer_norm(config, dtype, param_dtype, rngs)
     self.activation = _ACTIVATIONS[config.hidden_act]
 
-  def __call__(self, x, key_mask, *, trace: bool = False):
-    a, record = self.attention(x, key_mask, trace=trace)
+  def __call__(self, x, key_mask, *, trace=False, sow_weights=False):
+    a, record = self.attention(
+      x, key_mask, trace=trace, sow_weights=sow_weights
+    )
     x = self.attention_norm(x + a)  # [b, s, hidden]
     h = self.output(self.activation(self.intermediate(x)))
     return self.output_norm(x + h), record
@@ -380,6 +387,7 @@ class MiniLM(nnx.Module):
     token_type_ids: Int[Array, "b s"] | None = None,
     *,
     return_logits: bool = False,
+    sow_weights: bool = False,
   ) -> Float[Array, "b s hidden"] | tuple[Float[Array, "b s hidden"], Any]:
     """Encodes a batch of token ids.
 
@@ -390,6 +398,9 @@ class MiniLM(nnx.Module):
       token_type_ids: ``[batch, seq]`` segment ids; None means all zeros.
       return_logits: also return an ``AttentionTrace`` (every layer's scaled
         logits, the key mask, queries, keys, values, attention outputs).
+      sow_weights: pass each attention layer as ``module`` to
+        ``attention_fn`` so it can sow into it (as ``nnx.MultiHeadAttention``
+        does); run under ``nnx.capture(fn, nnx.Intermediate)`` to read them.
 
     Returns:
       The last hidden state ``[batch, seq, hidden]`` (compute dtype), or
@@ -434,7 +445,9 @@ class MiniLM(nnx.Module):
     records, inputs = [], []
     for layer in self.layers:
       inputs.append(x)
-      x, record = layer(x, key_mask, trace=return_logits)
+      x, record = layer(
+        x, key_mask, trace=return_logits, sow_weights=sow_weights
+      )
       records.append(record)
     if not return_logits:
       return x

@@ -22,6 +22,7 @@ With S the scored keys and H a kept subset of S,
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,7 @@ def _blocked(keys, block_size, mask):
   return kb, vb
 
 
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def box_summary(keys, *, block_size: int, mask=None) -> BoxSummary:
   """Per-block min/max boxes of ``keys`` (THEORY 3.3, box form).
 
@@ -112,6 +114,7 @@ def box_summary(keys, *, block_size: int, mask=None) -> BoxSummary:
   )
 
 
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def ball_summary(keys, *, block_size: int, mask=None) -> BallSummary:
   """Per-block centre and radius of ``keys`` (THEORY 3.3, ball form).
 
@@ -151,6 +154,7 @@ def _dot_slack(abs_terms_sum, d, dtype):
   return (d + 2) * jnp.finfo(dtype).eps * abs_terms_sum
 
 
+@jax.jit
 def box_upper_bound(query, summary: BoxSummary, *, scale) -> jax.Array:
   """Sound upper bound on the logits of every block, from its box.
 
@@ -182,6 +186,7 @@ def box_upper_bound(query, summary: BoxSummary, *, scale) -> jax.Array:
   return jnp.where(summary.count > 0, u, -jnp.inf)
 
 
+@jax.jit
 def ball_upper_bound(query, summary: BallSummary, *, scale) -> jax.Array:
   """Sound upper bound on the logits of every block, from its ball.
 
@@ -253,6 +258,7 @@ def blockwise_log_bound_row(
   return jnp.minimum(out + 2 * delta, 0.0)
 
 
+@jax.jit
 def logit_rounding_bound(query, keys, *, scale, mask=None) -> jax.Array:
   """Bound on |float logit - exact logit| over a row's keys (THEORY 3.4).
 

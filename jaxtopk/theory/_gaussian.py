@@ -22,7 +22,6 @@ import numpy as np
 from jax.scipy.stats import norm
 
 from jaxtopk.theory import _rows
-from jaxtopk.theory import _topk
 
 # Largest number of logits drawn at once by the Monte Carlo (floats).
 _MC_CHUNK_ELEMS = 1 << 21
@@ -61,7 +60,7 @@ def gaussian_tail_mass(rho, sigma) -> jax.Array:
   rho = jnp.asarray(rho)
   dt = _rows.compute_dtype(jnp.result_type(rho, jnp.asarray(sigma)))
   rho = rho.astype(dt)
-  z = norm.isf(rho)  # Phi_c^{-1}(rho)
+  z = -norm.ppf(rho)  # Phi_c^{-1}(rho), accurate for small rho
   return norm.cdf(z - jnp.asarray(sigma, dt))
 
 
@@ -96,16 +95,27 @@ def gaussian_sigma_limit(n) -> jax.Array:
   return jnp.sqrt(2.0 * jnp.log(jnp.asarray(n, jnp.float32)))
 
 
+def _k_eps_sorted(z, sigma, eps):
+  """k_eps of the row sigma * z for a decreasingly sorted standard row z."""
+  w = jnp.exp(sigma * (z - z[0]))  # [n], in (0, 1]
+  # Suffix sums (smallest terms first): tail mass after each prefix.
+  suffix = jnp.cumsum(w[::-1])[::-1]  # [n]
+  log_tails = jnp.log(suffix) - jnp.log(suffix[0])
+  return jnp.sum(log_tails > jnp.log(eps), dtype=jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("n", "num_samples", "dtype"))
 def _k_eps_fractions(key, sigma, eps, *, n, num_samples, dtype):
+  """[num_samples, m] fractions k_eps / n for m (sigma, eps) pairs."""
   keys = jax.random.split(key, num_samples)
 
   def one(k):
-    z = jax.random.normal(k, (n,), dtype)  # [n]
-    return _topk.k_eps_row(sigma * z, eps) / n
+    z = -jnp.sort(-jax.random.normal(k, (n,), dtype))  # [n] decreasing
+    per_pair = jax.vmap(_k_eps_sorted, in_axes=(None, 0, 0))
+    return per_pair(z, sigma, eps) / n  # [m]
 
   batch = max(1, min(num_samples, _MC_CHUNK_ELEMS // n))
-  return jax.lax.map(one, keys, batch_size=batch)  # [num_samples]
+  return jax.lax.map(one, keys, batch_size=batch)  # [num_samples, m]
 
 
 def gaussian_k_eps_finite_n(
@@ -113,21 +123,24 @@ def gaussian_k_eps_finite_n(
 ) -> KEpsEstimate:
   """Monte Carlo E[k_eps / n] for n iid N(0, sigma^2) logits (THEORY 5.4).
 
-  Draws ``num_samples`` rows, computes each row's exact k_eps (``k_eps``,
-  one sort), and returns the mean fraction with a normal-approximation
-  confidence interval. Rows are drawn in chunks of at most 2^21 logits, so
-  memory stays bounded for n up to 131072 and beyond.
+  Draws ``num_samples`` standard normal rows z, computes the exact k_eps of
+  each row sigma * z (one sort per row, shared by every (sigma, eps) pair:
+  common random numbers), and returns the mean fraction with a
+  normal-approximation confidence interval. Rows are drawn in chunks of at
+  most 2^21 logits, so memory stays bounded for n up to 131072 and beyond.
 
   Args:
     key: a ``jax.random`` key.
     n: static number of keys per row, >= 1.
-    sigma: logit standard deviation, >= 0 (scalar, may be traced).
-    eps: tail budget in (0, 1) (scalar, may be traced).
+    sigma: logit standard deviation(s), >= 0; any shape broadcastable with
+      ``eps`` (may be traced).
+    eps: tail budget(s) in (0, 1).
     num_samples: static number of rows, >= 2.
     confidence: level of the interval in (0, 1).
 
   Returns:
-    KEpsEstimate of float32 scalars (float64 under x64).
+    KEpsEstimate of float32 arrays (float64 under x64) of the broadcast
+    shape of ``sigma`` and ``eps``.
 
   Raises:
     ValueError: for n < 1, num_samples < 2, a negative sigma, or eps or
@@ -149,16 +162,19 @@ def gaussian_k_eps_finite_n(
   if sg is not None and np.any(sg < 0):
     raise ValueError(f"{sigma=} must be >= 0")
   dt = _rows.compute_dtype(jnp.result_type(float))
+  sigma, eps = jnp.broadcast_arrays(
+    jnp.asarray(sigma, dt), jnp.asarray(eps, dt)
+  )
   fr = _k_eps_fractions(
     key,
-    jnp.asarray(sigma, dt),
-    jnp.asarray(eps, dt),
+    sigma.reshape(-1),
+    eps.reshape(-1),
     n=int(n),
     num_samples=int(num_samples),
     dtype=dt,
-  )
-  mean = jnp.mean(fr)
-  se = jnp.std(fr, ddof=1) / np.sqrt(num_samples)
+  )  # [num_samples, m]
+  mean = jnp.mean(fr, axis=0).reshape(sigma.shape)
+  se = (jnp.std(fr, axis=0, ddof=1) / np.sqrt(num_samples)).reshape(sigma.shape)
   z = norm.ppf(jnp.asarray(0.5 + confidence / 2, dt))
   return KEpsEstimate(
     mean=mean, std_error=se, ci_low=mean - z * se, ci_high=mean + z * se

@@ -155,8 +155,24 @@ def head_tail_means(logits, keep, values, mask=None) -> HeadTail:
 
 def _error_row(logits, keep, values, mask, tv):
   ht = head_tail_means_row(logits, keep, values, mask)
-  tau = ht.tau if tv is None else tv
-  return tau * _norm(ht.mu_tail - ht.mu_head)
+  diff = _norm(ht.mu_tail - ht.mu_head)
+  if tv is None:
+    return ht.tau * diff
+  # An upper bound: round up. The means are weighted averages whose weights
+  # carry a relative error of at most ``rel``, so each mean is off by at
+  # most rel * max_j ||v_j|| (absolute: the difference may cancel).
+  dt = _dtype(logits, values)
+  s = logits.astype(dt)
+  v = values.astype(dt)
+  valid = _rows.as_mask(s, mask)
+  _, _, head, tail, allm = _masses(s, jnp.asarray(keep, bool), valid)
+  eps = jnp.finfo(dt).eps
+  rel = _rows.log_slack(s.shape[-1], dt) + 2 * eps * (
+    head.err + tail.err + allm.err + v.shape[-1] + 8.0
+  )
+  vmax = jnp.max(_norm(v), where=valid, initial=0.0)
+  diff = (diff + 2 * rel * vmax) * (1 + (v.shape[-1] + 4) * eps)
+  return tv * diff * (1 + 4 * eps)
 
 
 def head_tail_error(logits, keep, values, mask=None, *, tv_bound=None):
@@ -296,6 +312,8 @@ def _variance_row(logits, keep, values, mask, tv):
   )
   out = jnp.sqrt(odds * var * jnp.exp(slack_var)) * (1 + 4 * eps)
   out = jnp.where(odds == 0, 0.0, out)
+  # Nothing kept (or t = 1): Attn_k = 0 by convention, no variance bound.
+  out = jnp.where(odds == jnp.inf, jnp.inf, out)
   return jnp.where(ok, out, jnp.nan)
 
 

@@ -35,6 +35,15 @@ def effective_entries_row(logits, eps, mask):
   return jnp.where(ok, n_eff, 0)
 
 
+def ineffective_fraction_row(logits, eps, mask):
+  log_p, ok = _log_probs_row(logits, mask)
+  dt = log_p.dtype
+  n_eff = jnp.sum(mask & (log_p >= jnp.log(eps)), dtype=jnp.int32)
+  n_real = jnp.sum(mask, dtype=jnp.int32)
+  out = 1 - n_eff.astype(dt) / jnp.maximum(n_real, 1).astype(dt)
+  return jnp.where(ok, out, jnp.nan)
+
+
 def effective_entries(logits, eps, mask=None) -> jax.Array:
   """|S_eps| = #{i : P_i >= eps}, the eps-effective entries (THEORY 7.3).
 
@@ -76,27 +85,31 @@ def ineffective_fraction(logits, eps, mask=None) -> jax.Array:
     with no distribution.
   """
   logits, valid = _prep(logits, mask)
-  n_eff = effective_entries(logits, eps, valid)
+  _rows.check_eps(eps)
   dt = _rows.compute_dtype(logits.dtype)
-  n_real = jnp.sum(valid, axis=-1).astype(dt)
-  out = 1 - n_eff.astype(dt) / n_real
-  return jnp.where(n_eff > 0, out, jnp.nan)
+  eps = jnp.broadcast_to(jnp.asarray(eps, dt), logits.shape[:-1])
+  return _rows.apply_rows(ineffective_fraction_row, 0, (), logits, eps, valid)
 
 
 def row_l2_error_row(logits, keep, mask):
   s = logits.astype(_rows.compute_dtype(logits.dtype))
   keep = jnp.asarray(keep, bool)
+  head_set, tail_set = mask & keep, mask & ~keep
   ref, ok = _rows.row_ref(s, mask)
-  head = _rows.log_mass(s, mask & keep, ref)
-  tail = _rows.log_mass(s, mask & ~keep, ref)
+  tail = _rows.log_mass(s, tail_set, ref)
   allm = _rows.log_mass(s, mask, ref)
-  # P_hat - P = P tau / (1 - tau) on H and -P on T, so
-  # ||P - P_hat||^2 = (Z_T / Z_H)^2 sum_H P_i^2 + sum_T P_i^2.
+  # P_hat - P = tau P_hat on H and -P on T, so
+  # ||P - P_hat||^2 = tau^2 sum_H P_hat_i^2 + sum_T P_i^2. Each log is taken
+  # against its own group's maximum, so no large logs cancel.
+  m_h, _ = _rows.row_ref(s, head_set)
+  head = _rows.log_mass(s, head_set, m_h)
+  log_p_hat2 = 2 * (s - m_h - head.log)  # [n] log P_hat_i^2 on H
   log_p2 = 2 * (s - ref - allm.log)  # [n] log P_i^2
-  sq_h = _rows.log_mass(log_p2, mask & keep, 0.0).log
-  sq_t = _rows.log_mass(log_p2, mask & ~keep, 0.0).log
-  log_odds = tail.log - head.log
-  log_sq = jnp.logaddexp(2 * log_odds + sq_h, sq_t)
+  sq_h = _rows.log_mass(log_p_hat2, head_set, 0.0).log
+  sq_t = _rows.log_mass(log_p2, tail_set, 0.0).log
+  log_tau = tail.log - allm.log
+  log_sq = jnp.logaddexp(2 * log_tau + sq_h, sq_t)
+  log_sq = jnp.where(jnp.any(head_set), log_sq, jnp.inf)
   log_sq = jnp.where(tail.log == -jnp.inf, -jnp.inf, log_sq)
   return jnp.where(ok, jnp.exp(log_sq / 2), jnp.nan)
 

@@ -60,14 +60,20 @@ def truncated(p, keep):
 
 
 def output_error(s, keep, v, valid):
-  """||Attn - Attn_k||_2 by direct computation of both outputs."""
-  p = probs(s, valid)
-  v = np.asarray(v, np.float64)
-  attn = p @ v
-  if not (keep & valid).any():
-    return np.linalg.norm(attn)
-  attn_k = truncated(p, keep & valid) @ v
-  return np.linalg.norm(attn - attn_k)
+  """||Attn - Attn_k||_2 by direct computation of both outputs.
+
+  In extended precision (np.longdouble); Attn_k = 0 when nothing is kept.
+  """
+  s = np.asarray(s, np.longdouble)[valid]
+  v = np.asarray(v, np.longdouble)[valid]
+  h = np.asarray(keep)[valid]
+  w = np.exp(s - s.max())
+  attn = (w[:, None] * v).sum(0) / w.sum()
+  if not h.any():
+    return float(np.sqrt((attn * attn).sum()))
+  attn_k = (w[h, None] * v[h]).sum(0) / w[h].sum()
+  d = attn - attn_k
+  return np.sqrt((d * d).sum())
 
 
 def k_eps(s, eps, valid):
