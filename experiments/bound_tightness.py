@@ -191,7 +191,6 @@ def tightness_records(writer, source, rho, logb, rows: _data.Rows):
         ratio_p90=np.quantile(ratio, 0.9) if ratio.size else float("nan"),
         ratio_max=ratio.max() if ratio.size else float("nan"),
         exact_median=float(np.median(np.exp(exact))),
-        log10_ratio=np.log10(ratio[:: max(1, ratio.size // 400)]),
       )
     )
   return records
@@ -210,21 +209,53 @@ def analyse(writer, source, rows, config, block_size):
 
 
 def plot(records, workdir):
-  sources = sorted({r["source"] for r in records})
-  fig, axes = _common.new_figure(ncols=len(sources), size=(5.0, 3.6))
-  for ax, source in zip(axes[0], sources, strict=True):
-    data, labels = [], []
-    for r in records:
-      if r["source"] == source and r["log10_ratio"]:
-        data.append(r["log10_ratio"])
-        labels.append(
-          f"{r['bound'].replace('blockwise_', 'bw_')}\nrho={r['rho']}"
-        )
-    ax.boxplot(data, orientation="horizontal", showfliers=False)
-    ax.set_yticks(range(1, len(labels) + 1), labels, fontsize=5)
-    ax.axvline(0.0, color="k", lw=0.7)
-    ax.set_xlabel("log10(bound / exact tau)")
-    ax.set_title(source, fontsize=8)
+  """Median bound / exact per bound and rho, bars from p10 to p90."""
+  sources = list(dict.fromkeys(r["source"] for r in records))
+  rhos = sorted({r["rho"] for r in records})
+  ncols = min(2, len(sources))
+  nrows = -(-len(sources) // ncols)
+  fig, axes = _common.new_figure(ncols=ncols, nrows=nrows, size=(5.0, 3.2))
+  flat = [ax for row in axes for ax in row]
+  width = 0.8 / len(rhos)
+  for ax, source in zip(flat, sources, strict=False):
+    for j, rho in enumerate(rhos):
+      pts = {
+        r["bound"]: r
+        for r in records
+        if r["source"] == source and r["rho"] == rho
+      }
+      xs = [i + (j - (len(rhos) - 1) / 2) * width for i in range(len(BOUNDS))]
+      med = np.array([pts[b]["ratio_median"] for b in BOUNDS])
+      lo = np.array([pts[b]["ratio_p10"] for b in BOUNDS])
+      hi = np.array([pts[b]["ratio_p90"] for b in BOUNDS])
+      ax.errorbar(
+        xs,
+        med,
+        yerr=[med - lo, hi - med],
+        fmt="o",
+        ms=3,
+        capsize=2,
+        color=f"C{j}",
+        label=f"rho={rho}",
+      )
+    ax.set_yscale("log")
+    ax.axhline(1.0, color="k", lw=0.7)
+    ax.set_xticks(range(len(BOUNDS)))
+    ax.set_xticklabels(
+      [
+        b.replace("single_gap_", "1gap ")
+        .replace("blockwise_", "block ")
+        .replace("multi_gap", "multi-gap")
+        .replace("exact_head", "head")
+        for b in BOUNDS
+      ],
+      fontsize=7,
+    )
+    ax.set_ylabel("bound / exact tau")
+    ax.set_title(source, fontsize=9)
+    ax.legend(fontsize=6)
+  for ax in flat[len(sources) :]:
+    ax.axis("off")
   return _common.save_figure(fig, workdir, "tightness")
 
 

@@ -192,7 +192,10 @@ def minilm_fit(config, writer):
         within_2x=np.mean(
           (predicted <= 2 * observed) & (observed <= 2 * predicted)
         ),
+        # Fraction of keys dropped on average, and total keys over total
+        # kept keys (the compute saving), and the per-row mean of n / k.
         reduction=1.0 - obs_frac.mean(),
+        n_over_mean_k=n.mean() / observed.mean(),
         mean_n_over_k=(n / observed).mean(),
         observed_frac_by_layer=by_layer,
         k_in_range=bool(np.all((observed >= 1) & (observed <= n))),
@@ -292,6 +295,7 @@ def summary_text(config, records, parts, minilm) -> str:
           "corr",
           "within_2x",
           "reduction",
+          "n_over_mean_k",
           "mean_n_over_k",
         ],
       ),

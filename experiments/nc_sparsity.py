@@ -112,7 +112,10 @@ def synthetic(config, writer):
       rs, sigmas = [], []
       for draw in range(cfg.draws):
         key, sub = jax.random.split(key)
-        init = lambda k: jax.random.normal(k, (cfg.d_model, cfg.head_dim))
+        init = lambda k: (
+          jax.random.normal(k, (cfg.d_model, cfg.head_dim))
+          / math.sqrt(cfg.d_model)
+        )
         weights = tuple(
           init(k) for k in jax.random.split(jax.random.fold_in(w_key, draw), 3)
         )

@@ -53,7 +53,7 @@ def get_config(arg=None):
     g.elements_per_point = 2**13
     g.min_rows = 2
     g.finite_n_samples = 4
-    m.num_passages = 2
+    m.num_passages = 1
     m.max_len = 32
     m.scatter_points = 500
   elif arg not in (None, ""):
