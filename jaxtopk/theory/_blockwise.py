@@ -355,7 +355,7 @@ def blockwise_bound(
   Returns:
     ``[...]`` upper bound on tau in float32 (float64 for float64 input).
   """
-  return jnp.exp(
+  return _rows.exp_up(
     blockwise_log_bound(
       logits,
       keep,

@@ -152,7 +152,7 @@ def single_gap_bound(logits, topk, mask=None, *, form="exact_head"):
     >>> round(float(single_gap_bound(s, 1)), 4)  # exact here: 3 / (e^4 + 3)
     0.0521
   """
-  return jnp.exp(single_gap_log_bound(logits, topk, mask, form=form))
+  return _rows.exp_up(single_gap_log_bound(logits, topk, mask, form=form))
 
 
 def single_gap_certifies(logits, topk, eps, mask=None) -> jax.Array:
@@ -244,4 +244,6 @@ def multi_gap_bound(logits, topk, mask=None, *, boundaries=None):
     >>> round(float(b), 4)
     0.3561
   """
-  return jnp.exp(multi_gap_log_bound(logits, topk, mask, boundaries=boundaries))
+  return _rows.exp_up(
+    multi_gap_log_bound(logits, topk, mask, boundaries=boundaries)
+  )
