@@ -80,28 +80,6 @@ def _dense_attention(query, key, value, bias=None, mask=None, **kwargs):
   return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, -1), value)
 
 
-class BertConfigTest(parameterized.TestCase):
-  def test_package_config_is_minilm(self):
-    cfg = nn.BertConfig.from_json_file(nn.minilm_model_dir() / "config.json")
-    self.assertEqual(cfg, nn.BertConfig())
-    self.assertEqual(cfg.head_dim, 32)
-
-  @parameterized.named_parameters(
-    ("heads_do_not_divide", dict(hidden_size=10, num_heads=3), "hidden_size"),
-    ("bad_activation", dict(hidden_act="swish"), "hidden_act"),
-    ("zero_layers", dict(num_layers=0), "num_layers"),
-    ("float_width", dict(hidden_size=15.0, num_heads=3), "hidden_size"),
-    ("bad_eps", dict(layer_norm_eps=0.0), "layer_norm_eps"),
-  )
-  def test_bad_config_raises(self, kwargs, name):
-    with self.assertRaisesRegex(ValueError, name):
-      nn.BertConfig(**kwargs)
-
-  def test_non_bert_hf_config_raises(self):
-    with self.assertRaisesRegex(ValueError, "model_type"):
-      nn.BertConfig.from_hf_dict({"model_type": "gpt2"})
-
-
 class SmallBertTest(parameterized.TestCase):
   def test_shape_dtype_and_jit(self):
     model = _small_model()
@@ -231,6 +209,13 @@ class SmallBertTest(parameterized.TestCase):
     ),
     ("too_long", dict(input_ids=np.ones((2, 18), int)), "sequence length 18"),
     ("empty", dict(input_ids=np.ones((2, 0), int)), "sequence length 0"),
+    ("id_too_big", dict(input_ids=np.full((2, 5), 13)), "input_ids must lie"),
+    ("negative_id", dict(input_ids=-np.ones((2, 5), int)), "min -1"),
+    (
+      "type_too_big",
+      dict(input_ids=np.ones((2, 5), int), token_type_ids=np.full((2, 5), 2)),
+      r"token_type_ids must lie in \[0, 2\)",
+    ),
   )
   def test_bad_input_raises(self, kwargs, message):
     with self.assertRaisesRegex(ValueError, message):
