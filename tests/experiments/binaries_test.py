@@ -189,5 +189,37 @@ class NcSparsitySmokeTest(absltest.TestCase):
     self.assertTrue(all(r["R"] > 0 for r in r_recs))
 
 
+class CertifiedSearchSmokeTest(absltest.TestCase):
+  @pytest.mark.slow
+  def test_smoke_run(self):
+    module, config = _smoke("certified_search")
+    workdir = _tmpdir(self)
+    module.run(config, workdir)
+    _check_common_outputs(self, workdir, ["certified_search"])
+    records = _common.read_metrics(workdir, "search")
+    self.assertLen(
+      records,
+      (len(config.synthetic.sigmas) + 1)
+      * len(config.epss)
+      * len(config.searches),
+    )
+    for r in records:
+      self.assertEqual(r["valid_frac"], 1.0, r)
+      self.assertEqual(r["within_budget_frac"], 1.0, r)
+      self.assertGreater(r["scored_frac"], 0.0)
+      # Deterministic searches are sound on every row and never keep fewer
+      # keys than the minimal k_eps; MC-Search may fail on a few rows (its
+      # certificate holds with probability >= 1 - delta) and counts its
+      # sampled keys as scored, so it may score more than n per row.
+      if r["search"] == "mc":
+        self.assertLessEqual(r["failure_rate"], 0.05, r)
+      else:
+        self.assertEqual(r["sound_frac"], 1.0, r)
+        self.assertLessEqual(r["scored_frac"], 1.0 + 1e-9, r)
+        self.assertGreaterEqual(r["kept_frac"], r["k_eps_frac"] - 1e-9, r)
+      if r["search"] == "exact":
+        self.assertAlmostEqual(r["scored_frac"], 1.0)
+
+
 if __name__ == "__main__":
   absltest.main()
