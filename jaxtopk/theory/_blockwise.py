@@ -379,7 +379,9 @@ def blockwise_bound(
   the arguments.
 
   Returns:
-    ``[...]`` upper bound on tau in float32 (float64 for float64 input).
+    ``[...]`` upper bound on tau in float32 (float64 for float64 input); at
+    least the smallest normal number when positive (XLA flushes subnormals),
+    so use ``blockwise_log_bound`` for tiny tails.
   """
   return _rows.exp_up(
     blockwise_log_bound(
