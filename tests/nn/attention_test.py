@@ -49,9 +49,11 @@ class ParityTest(parameterized.TestCase):
   """A policy that keeps every key reproduces nnx.MultiHeadAttention."""
 
   @parameterized.named_parameters(
-    (f"{case}_{np.dtype(dtype).name}", dtype, case)
-    for dtype in (jnp.float32, jnp.bfloat16)
-    for case in ("plain", "mask", "causal", "gqa", "normalize_qk")
+    [
+      (f"{case}_float32", jnp.float32, case)
+      for case in ("plain", "mask", "causal", "gqa", "normalize_qk")
+    ]
+    + [(f"{case}_bfloat16", jnp.bfloat16, case) for case in ("mask", "gqa")]
   )
   def test_same_outputs_as_multi_head_attention(self, dtype, case):
     extra = {}

@@ -13,6 +13,7 @@ import hypothesis
 import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 from flax import nnx
@@ -156,6 +157,7 @@ class SoundnessTest(parameterized.TestCase):
     ]
     _check_model(self, model, x, mask, policy)
 
+  @pytest.mark.slow
   def test_bfloat16_model(self):
     policy = jaxtopk.FixedK(4)
     model = Model(policy, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -163,6 +165,7 @@ class SoundnessTest(parameterized.TestCase):
     mask = jnp.ones((1, 1, 1, SEQ), bool)
     _check_model(self, model, x.astype(jnp.bfloat16), mask, policy)
 
+  @pytest.mark.slow
   @hypothesis.settings(max_examples=10)
   @hypothesis.given(
     seed=st.integers(0, 2**16),
@@ -187,6 +190,7 @@ class DecodeSoundnessTest(parameterized.TestCase):
     ("certified_delta", jaxtopk.Certified(0.05, search="delta", block_size=4)),
     ("certified_mc", jaxtopk.Certified(0.05, search="mc", block_size=4)),
   )
+  @pytest.mark.slow
   def test_decode_certificates_are_sound(self, policy):
     layer = topk_nn.CertifiedTopKAttention(
       num_heads=HEADS,
