@@ -8,7 +8,11 @@ certificate per row (see ``_kv_sharded.py`` and ``_global_select.py``).
 from jaxtopk.parallel._compat import shard_map
 from jaxtopk.parallel._global_select import global_certified_keep
 from jaxtopk.parallel._global_select import global_topk_keep
+from jaxtopk.parallel._hlo import Collective
+from jaxtopk.parallel._hlo import collectives
+from jaxtopk.parallel._hlo import communication_summary
 from jaxtopk.parallel._kv_sharded import kv_shard_attention
+from jaxtopk.parallel._kv_sharded import make_sharded_attention
 from jaxtopk.parallel._kv_sharded import sharded_topk_attention
 from jaxtopk.parallel._mesh import AXES
 from jaxtopk.parallel._mesh import DATA

@@ -288,6 +288,64 @@ def _build(mesh, policy, scale, is_causal, n_total, axes, mask_spec, has_mask):
   return jax.jit(fn)
 
 
+def make_sharded_attention(
+  mesh: jax.sharding.Mesh,
+  *,
+  policy: Policy,
+  kv_len: int,
+  head_dim: int,
+  mask_shape: tuple[int, ...] | None = None,
+  batch_heads_qlen: tuple[int, int, int] | None = None,
+  is_causal: bool = False,
+  scale: float | None = None,
+  batch_axis: str | None = _mesh.DATA,
+  head_axis: str | None = _mesh.HEADS,
+  kv_axis: str | None = _mesh.KV,
+):
+  """The jitted shard_map behind ``sharded_topk_attention``.
+
+  Useful to ``.lower()`` with ``jax.ShapeDtypeStruct``s (compile without
+  allocating, e.g. to read the collectives of a 1M-key decode step).
+
+  Args:
+    mesh, policy, is_causal, scale, *_axis: as ``sharded_topk_attention``.
+    kv_len: static number of keys.
+    head_dim: query/key head dim (for the default scale).
+    mask_shape: the 4-d shape of the mask that will be passed, or None for no
+      mask (then call with ``mask=None``).
+    batch_heads_qlen: (batch, heads, q_len), needed to shard a mask.
+
+  Returns:
+    ``fn(query, key, value, mask) -> (output, certificate)``, jitted.
+  """
+  scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+  if not scale > 0:
+    raise ValueError(f"{scale=} must be > 0")
+  axes = tuple(
+    _mesh.axis_or_none(mesh, a) for a in (batch_axis, head_axis, kv_axis)
+  )
+  if axes[2] is not None and kv_len % mesh.shape[axes[2]]:
+    raise ValueError(
+      f"kv_len={kv_len} must be divisible by mesh axis {axes[2]!r} of size"
+      f" {mesh.shape[axes[2]]}"
+    )
+  mask_spec = None
+  if mask_shape is not None:
+    b, h, t = batch_heads_qlen
+    mask_axes = (axes[0], axes[1], None, axes[2])
+    mask_spec = _mask_spec(tuple(mask_shape), (b, h, t, kv_len), mask_axes)
+  return _build(
+    mesh,
+    policy,
+    scale,
+    bool(is_causal),
+    kv_len,
+    axes,
+    mask_spec,
+    mask_shape is not None,
+  )
+
+
 def sharded_topk_attention(
   query,
   key,
@@ -355,36 +413,31 @@ def sharded_topk_attention(
     raise ValueError(f"{key.shape=} does not match {query.shape=}")
   if value.shape[:3] != key.shape[:3]:
     raise ValueError(f"{value.shape=} does not match {key.shape=}")
-  n_total = key.shape[1]
-  scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-  if not scale > 0:
-    raise ValueError(f"{scale=} must be > 0")
-  axes = tuple(
-    _mesh.axis_or_none(mesh, a) for a in (batch_axis, head_axis, kv_axis)
-  )
-  sizes = (("batch", b), ("heads", h), ("kv_len", n_total))
-  for (name, size), ax in zip(sizes, axes, strict=True):
+  for name, size, ax in (("batch", b, batch_axis), ("heads", h, head_axis)):
+    ax = _mesh.axis_or_none(mesh, ax)
     if ax is not None and size % mesh.shape[ax]:
       raise ValueError(
         f"{name}={size} must be divisible by mesh axis {ax!r} of size"
         f" {mesh.shape[ax]}"
       )
-  mask_spec = None
+  mask_shape = None
   if mask is not None:
     mask = jnp.asarray(mask, bool)
     if mask.ndim > 4:
       raise ValueError(f"{mask.shape=} has more than 4 dims")
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    mask_axes = (axes[0], axes[1], None, axes[2])
-    mask_spec = _mask_spec(mask.shape, (b, h, t, n_total), mask_axes)
-  fn = _build(
+    mask_shape = mask.shape
+  fn = make_sharded_attention(
     mesh,
-    policy,
-    scale,
-    bool(is_causal),
-    n_total,
-    axes,
-    mask_spec,
-    mask is not None,
+    policy=policy,
+    kv_len=key.shape[1],
+    head_dim=d,
+    mask_shape=mask_shape,
+    batch_heads_qlen=(b, h, t),
+    is_causal=is_causal,
+    scale=scale,
+    batch_axis=batch_axis,
+    head_axis=head_axis,
+    kv_axis=kv_axis,
   )
   return fn(query, key, value, mask)
