@@ -76,15 +76,20 @@ def _shard_prefix(count, axis_name):
   return jnp.sum(jnp.where(before, every, 0), axis=-1).astype(count.dtype)
 
 
-def global_topk_keep(logits, valid, *, topk: int, axis_name) -> jax.Array:
+def global_topk_keep(
+  logits, valid, *, topk: int, axis_name, row_topk=None
+) -> jax.Array:
   """The global ``topk`` largest real logits of each row, as a local mask.
 
   Args:
     logits: ``[..., n_local]`` this shard's logits (float).
     valid: ``[..., n_local]`` bool, True for a real key.
-    topk: static number of kept keys over the whole row, <= the global
-      number of keys; rows with fewer real keys keep all of them.
+    topk: static number of kept keys over the whole row (the maximum over
+      rows when ``row_topk`` is given), <= the global number of keys; rows
+      with fewer real keys keep all of them.
     axis_name: mapped axis the keys are split over, or None.
+    row_topk: optional ``[...]`` int per-row count, 0 <= row_topk <= topk
+      (e.g. ``Ratio`` over each row's real keys).
 
   Returns:
     ``[..., n_local]`` bool kept set (a subset of ``valid``). Ties at the
@@ -101,14 +106,20 @@ def global_topk_keep(logits, valid, *, topk: int, axis_name) -> jax.Array:
     raise ValueError(
       f"{topk=} exceeds the {every.shape[-1]} keys of the whole row"
     )
-  thr = lax.top_k(every, topk)[0][..., -1:]  # [..., 1]
+  best = lax.top_k(every, topk)[0]  # [..., topk], descending
+  if row_topk is None:
+    row_topk = jnp.full(s.shape[:-1], topk, jnp.int32)
+  row_topk = jnp.asarray(row_topk, jnp.int32)
+  idx = jnp.clip(row_topk - 1, 0, topk - 1)[..., None]
+  thr = jnp.take_along_axis(best, idx, axis=-1)  # [..., 1]
   above = valid & (s > thr)
   ties = valid & (s == thr)
   n_above = psum(jnp.sum(above, axis=-1, dtype=jnp.int32), axis_name)
   n_ties_local = jnp.sum(ties, axis=-1, dtype=jnp.int32)
-  need = topk - n_above - _shard_prefix(n_ties_local, axis_name)  # [...]
+  need = row_topk - n_above - _shard_prefix(n_ties_local, axis_name)  # [...]
   rank = jnp.cumsum(ties, axis=-1, dtype=jnp.int32) - 1
-  return above | (ties & (rank < need[..., None]))
+  keep = above | (ties & (rank < need[..., None]))
+  return keep & (row_topk > 0)[..., None]
 
 
 def _row_histogram(mass, bins, num_bins):

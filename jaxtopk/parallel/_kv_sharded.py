@@ -33,8 +33,9 @@ the norms' own rounding; the tail can be e^E larger and the head e^E
 smaller than computed, hence 2 E.
 
 The output-error bound is THEORY 4.2 with 4.4: ||Attn - Attn_k|| <= tau
-(||mu_head|| + max_T ||v_j||), with tau replaced by its bound, the max over
-the dropped keys by a pmax, and a relative round-up for the norms.
+(||mu_head|| + max_T ||v_j||) <= tau (max_H ||v_j|| + max_T ||v_j||), with tau
+replaced by its bound and both maxima merged by one pmax (as
+``selection._certify.output_error_bound``).
 """
 
 import functools
@@ -53,22 +54,25 @@ from jaxtopk.selection import Certificate
 from jaxtopk.selection import Certified
 from jaxtopk.selection import Dense
 from jaxtopk.selection import Policy
+from jaxtopk.selection import _certify
+from jaxtopk.selection import _select as _select_lib
 from jaxtopk.theory import _tail
 
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def _select(s, valid, row_max, log_err, *, policy, n_total, axis_name):
-  """The policy's global kept set, as this shard's local mask."""
+def _select(s, valid, row_max, log_err, n_valid, *, policy, n_total, axis_name):
+  """The policy's global kept set, as this shard's local mask.
+
+  Count policies use ``selection.count_kept`` over each row's real keys
+  (``n_valid``, global), as ``jaxtopk.topk_attention`` does.
+  """
   if isinstance(policy, Dense):
     return valid
   if isinstance(policy, Certified):
-    if policy.search != "exact":
-      raise NotImplementedError(
-        f"Certified(search={policy.search!r}) is not available with the keys"
-        " split across devices; use search='exact' (every key is scored, the"
-        " threshold is global), or shard only batch and heads."
-      )
+    # 'delta' and 'mc' score only part of a row; with every logit already
+    # computed here they fall back to the exact search, as topk_attention
+    # does in prefill (keys_scored then says every key was scored).
     dt = s.dtype
     # Reserve room for the rounding that the certificate adds (2 E + 2 slack)
     # and for the histogram's own rounding (2 more slacks).
@@ -78,17 +82,18 @@ def _select(s, valid, row_max, log_err, *, policy, n_total, axis_name):
       s, valid, row_max, log_budget, n_total=n_total, axis_name=axis_name
     )
     if policy.max_topk is not None and policy.max_topk < n_total:
-      keep &= _global_select.global_topk_keep(
+      capped = _global_select.global_topk_keep(
         s, valid, topk=policy.max_topk, axis_name=axis_name
       )
+      n_keep = _global_select.psum(jnp.sum(keep, -1), axis_name)
+      keep = jnp.where((n_keep > policy.max_topk)[..., None], capped, keep)
     return keep
   topk = policy.num_kept(n_total)
   if topk is None:
     raise ValueError(f"{policy=} gives no static number of kept keys")
-  if topk >= n_total:
-    return valid
+  row_topk = _select_lib.count_kept(policy, n_valid, n_total)
   return _global_select.global_topk_keep(
-    s, valid, topk=topk, axis_name=axis_name
+    s, valid, topk=topk, axis_name=axis_name, row_topk=row_topk
   )
 
 
@@ -117,8 +122,8 @@ def kv_shard_attention(
     valid: bool broadcastable to ``[batch, heads, q_len, n_local]``, True for
       a real key (padding and causal masks already applied).
     policy: a selection policy, applied to the whole (global) row: Dense,
-      FixedK, Ratio, PowerLaw (static count from ``n_total``), or
-      Certified(search='exact') with a global eps.
+      FixedK, Ratio, PowerLaw (per-row count over the row's real keys), or
+      Certified with a global eps (every search runs the exact one here).
     scale: positive logit scale.
     axis_name: the mapped axis the keys are split over, or None.
     n_total: static number of keys over all shards (``devices * n_local``).
@@ -141,7 +146,8 @@ def kv_shard_attention(
   valid = jnp.broadcast_to(jnp.asarray(valid, bool), s.shape)
   s_ng = lax.stop_gradient(s)
 
-  # One pmax: global max logit, max key norm, any non-finite real logit.
+  # One pmax (global max logit, max key norm, any non-finite real logit) and
+  # one psum (number of real keys).
   k_norm = jnp.linalg.norm(lax.stop_gradient(k), axis=-1)  # [b, h, s]
   local_max = jnp.max(s_ng, axis=-1, where=valid, initial=-jnp.inf)
   local_kn = jnp.max(
@@ -151,6 +157,9 @@ def kv_shard_attention(
   row_max, kn, bad = _global_select.pmax(
     (local_max, local_kn, local_bad), axis_name
   )  # [b, h, t] each
+  n_valid = _global_select.psum(
+    jnp.sum(valid, axis=-1, dtype=jnp.int32), axis_name
+  )
   row_ok = jnp.isfinite(row_max) & (bad == 0)
   q_norm = jnp.linalg.norm(lax.stop_gradient(q), axis=-1)  # [b, h, t]
   log_err = 2.0 * (2.0 * (d + 2) * eps * scale * q_norm * kn)  # 2 E
@@ -161,6 +170,7 @@ def kv_shard_attention(
     valid,
     row_max,
     log_err,
+    n_valid,
     policy=policy,
     n_total=n_total,
     axis_name=axis_name,
@@ -172,10 +182,10 @@ def kv_shard_attention(
   num = jnp.einsum("bhts,bhse->bhte", w, v, precision=_HIGHEST)
   den = jnp.sum(w, axis=-1)  # [b, h, t]
   lse_tail_local = logsumexp(s_ng, axis=-1, where=tail)  # -inf if empty
-  v_norm = jnp.linalg.norm(lax.stop_gradient(v), axis=-1)  # [b, h, s]
-  vmax_tail_local = jnp.max(
-    jnp.where(tail, v_norm[:, :, None, :], 0.0), axis=-1, initial=0.0
-  )
+  v_norm = _certify.value_norms(lax.stop_gradient(v))[:, :, None, :]
+  vmax_local = jnp.stack(
+    [_certify.max_norm(v_norm, keep), _certify.max_norm(v_norm, tail)], -1
+  )  # [b, h, t, 2]: kept and dropped values' largest norms
   counts = jnp.stack(
     [jnp.sum(keep, axis=-1), jnp.sum(valid, axis=-1)], axis=-1
   ).astype(jnp.int32)  # [b, h, t, 2]
@@ -183,7 +193,7 @@ def kv_shard_attention(
   # The merge: one psum and one all-gather of small per-row statistics.
   num, den, counts = _global_select.psum((num, den, counts), axis_name)
   lse_tails = _global_select.gather_last(lse_tail_local[..., None], axis_name)
-  vmax_tail = _global_select.pmax(vmax_tail_local, axis_name)
+  vmax = _global_select.pmax(vmax_local, axis_name)
   lse_tail = logsumexp(lse_tails, axis=-1)  # [b, h, t]
 
   den_safe = jnp.where(row_ok, den, 1.0)
@@ -199,9 +209,7 @@ def kv_shard_attention(
   tv = jnp.where(
     log_tv > -jnp.inf, jnp.maximum(jnp.exp(log_tv), jnp.finfo(dt).tiny), 0.0
   )
-  out_norm = jnp.linalg.norm(lax.stop_gradient(out), axis=-1)
-  round_up = 1.0 + 8.0 * (math.log2(max(n_total, 1)) + 4.0) * eps
-  err = tv * (out_norm + vmax_tail) * round_up
+  err = _certify.output_error_bound(tv, vmax[..., 0], vmax[..., 1])
 
   nan = jnp.asarray(jnp.nan, dt)
   cert = Certificate(
@@ -371,8 +379,10 @@ def sharded_topk_attention(
     query: ``[batch, q_len, heads, head_dim]``.
     key: ``[batch, kv_len, heads, head_dim]``.
     value: ``[batch, kv_len, heads, v_dim]``.
-    policy: Dense, FixedK, Ratio, PowerLaw (kept count from ``kv_len``) or
-      Certified(search='exact') with a global eps.
+    policy: Dense, FixedK, Ratio, PowerLaw (per-row count over the row's
+      real keys, as ``topk_attention``) or Certified with a GLOBAL eps
+      (searches 'delta' and 'mc' run the exact search: every logit is
+      computed).
     mesh: the device mesh. Axes it lacks (or of size 1) are not sharded.
     mask: optional bool, broadcastable to ``[batch, heads, q_len, kv_len]``
       (jax.nn convention: True = attend); each dim of size 1 or full.
@@ -389,8 +399,6 @@ def sharded_topk_attention(
   Raises:
     ValueError: for mismatched shapes, sizes not divisible by their mesh axis,
       or a non-positive scale.
-    NotImplementedError: for Certified(search='delta'|'mc') with a sharded
-      ``kv_axis``.
 
   Example:
     >>> import jax, jax.numpy as jnp

@@ -23,7 +23,6 @@ from tests.tolerances import tol
 B, H, T, D, E = 2, 3, 5, 7, 11  # batch, heads, q_len, head_dim, v_dim
 
 POLICIES = {
-  "fixed": FixedK(3),
   "power": PowerLaw(1.5, 0.5),
   "certified_capped": Certified(1e-3, max_topk=4),
 }
@@ -90,23 +89,16 @@ class KvShardAttentionTest(parameterized.TestCase):
       np.asarray(out)[ok], dense[ok], **tol(jnp.float32)
     )
 
-  def test_delta_search_is_refused_across_shards(self):
-    q, k, v, valid = _inputs(3, 12)
-    with self.assertRaisesRegex(NotImplementedError, "search='delta'"):
-      truth.simulated_kv_attention(
-        q, k, v, valid, policy=Certified(0.1, search="delta"), n_shards=2
-      )
-
 
 class SoundnessTest(parameterized.TestCase):
   """Global certificates never below the float64 truth (THEORY 3.4)."""
 
   @parameterized.named_parameters(
     ("fixed_4x3", FixedK(2), 4, 12, jnp.float32),
-    ("certified_4x1", Certified(0.1), 4, 4, jnp.float32),
-    ("certified_3x5", Certified(0.01), 3, 15, jnp.float32),
+    # 'delta' runs the exact search when every logit is computed.
+    ("certified_delta_4x1", Certified(0.1, search="delta"), 4, 4, jnp.float32),
     ("ratio_2x7_bf16", Ratio(0.2), 2, 14, jnp.bfloat16),
-    ("certified_2x7_bf16", Certified(0.05), 2, 14, jnp.bfloat16),
+    ("certified_3x5_bf16", Certified(0.01), 3, 15, jnp.bfloat16),
   )
   @hypothesis.settings(max_examples=25)
   @hypothesis.given(
@@ -136,6 +128,7 @@ class SoundnessTest(parameterized.TestCase):
     self.assertTrue(np.all(err_bound >= err[ok]), (err_bound - err[ok]).min())
     if isinstance(policy, Certified):
       self.assertTrue(np.all(tv <= policy.eps), tv.max())
+      np.testing.assert_array_equal(cert.keys_scored, np.sum(valid, -1))
 
 
 if __name__ == "__main__":
