@@ -10,9 +10,11 @@ from absl.testing import absltest
 from absl.testing import parameterized
 from jax.sharding import PartitionSpec as P
 
+import jaxtopk
 from jaxtopk import Certified
 from jaxtopk import Dense
 from jaxtopk import FixedK
+from jaxtopk import Ratio
 from jaxtopk import parallel
 from tests.parallel import truth
 from tests.tolerances import tol
@@ -58,7 +60,7 @@ class ShardedAttentionTest(parameterized.TestCase):
     ("kv8_fixed", "kv8", FixedK(5), False),
     ("kv8_certified_causal", "kv8", Certified(0.02), True),
     ("data2_kv4_certified", "data2_kv4", Certified(0.1, max_topk=6), False),
-    ("mixed_fixed_causal", "data2_heads2_kv2", FixedK(3), True),
+    ("mixed_ratio_causal", "data2_heads2_kv2", Ratio(0.2), True),
     ("heads_data_dense", "heads4_data2", Dense(), False),
   )
   def test_sharded_equals_single_device(self, mesh_name, policy, is_causal):
@@ -68,22 +70,42 @@ class ShardedAttentionTest(parameterized.TestCase):
     out, cert = parallel.sharded_topk_attention(
       q_s, k_s, v_s, policy=policy, mesh=mesh, mask=mask, is_causal=is_causal
     )
-    ref_out, ref_cert = _single_device(q, k, v, mask, policy, is_causal)
     self.assertEqual(out.shape, (B, T, H, E))
     self.assertEqual(cert.tv_bound.shape, (B, T, H))
     self.assertEqual(len(out.sharding.device_set), 8)
-    out, cert, ref_out, ref_cert = jax.device_get(
-      (out, cert, ref_out, ref_cert)
+    # The same algorithm on one device: identical kept sets and bounds.
+    one_out, one_cert = _single_device(q, k, v, mask, policy, is_causal)
+    # jaxtopk.topk_attention (the single-device XLA path of the attention
+    # package): identical for count policies; for Certified both meet eps.
+    ref_out, ref_cert = jaxtopk.topk_attention(
+      q, k, v, policy=policy, mask=mask, is_causal=is_causal
     )
-    np.testing.assert_allclose(out, ref_out, **tol(jnp.float32))
-    np.testing.assert_array_equal(cert.k_kept, ref_cert.k_kept)
-    np.testing.assert_array_equal(cert.keys_scored, ref_cert.keys_scored)
-    np.testing.assert_array_equal(cert.valid, ref_cert.valid)
+    out, cert, one_out, one_cert, ref_out, ref_cert = jax.device_get(
+      (out, cert, one_out, one_cert, ref_out, ref_cert)
+    )
+    np.testing.assert_allclose(out, one_out, **tol(jnp.float32))
+    np.testing.assert_array_equal(cert.k_kept, one_cert.k_kept)
+    np.testing.assert_array_equal(cert.valid, one_cert.valid)
     np.testing.assert_allclose(
-      cert.tv_bound, ref_cert.tv_bound, rtol=1e-5, atol=1e-7
+      cert.tv_bound, one_cert.tv_bound, rtol=1e-5, atol=1e-7
     )
-    if isinstance(policy, Certified) and policy.max_topk is None:
-      self.assertLessEqual(float(np.nanmax(cert.tv_bound)), policy.eps)
+    np.testing.assert_array_equal(cert.valid, ref_cert.valid)
+    np.testing.assert_array_equal(cert.keys_scored, ref_cert.keys_scored)
+    if isinstance(policy, Certified):
+      if policy.max_topk is None:
+        self.assertLessEqual(float(np.nanmax(ref_cert.tv_bound)), policy.eps)
+        self.assertLessEqual(float(np.nanmax(cert.tv_bound)), policy.eps)
+        # Histogram threshold: near-minimal (within a fine bin).
+        self.assertLessEqual(
+          np.mean(cert.k_kept), 1.2 * np.mean(ref_cert.k_kept) + 1
+        )
+    else:
+      np.testing.assert_array_equal(cert.k_kept, ref_cert.k_kept)
+      np.testing.assert_allclose(out, ref_out, **tol(jnp.float32))
+      # Both sound; they differ only in rounding slack.
+      np.testing.assert_allclose(
+        cert.tv_bound, ref_cert.tv_bound, rtol=1e-3, atol=1e-6
+      )
 
   @parameterized.named_parameters(
     ("fixed", FixedK(4)), ("certified", Certified(0.01))
