@@ -26,3 +26,8 @@ from jaxtopk.parallel._mesh import maybe_initialize_distributed
 from jaxtopk.parallel._mesh import mesh_from_flag
 from jaxtopk.parallel._mesh import parse_mesh_flag
 from jaxtopk.parallel._mesh import shard_attention_inputs
+from jaxtopk.parallel._rules import ATTENTION_RULES
+from jaxtopk.parallel._rules import activation_sharding
+from jaxtopk.parallel._rules import param_shardings
+from jaxtopk.parallel._rules import partition_spec
+from jaxtopk.parallel._rules import shard_module
