@@ -6,6 +6,8 @@ certificate per row (see ``_kv_sharded.py`` and ``_global_select.py``).
 """
 
 from jaxtopk.parallel._compat import shard_map
+from jaxtopk.parallel._decode import cache_shardings
+from jaxtopk.parallel._decode import sharded_decode_attention
 from jaxtopk.parallel._global_select import global_certified_keep
 from jaxtopk.parallel._global_select import global_topk_keep
 from jaxtopk.parallel._hlo import Collective
