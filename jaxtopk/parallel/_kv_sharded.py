@@ -139,16 +139,26 @@ def kv_shard_attention(
   dt = _tail.compute_dtype(query.dtype)
   eps = jnp.finfo(dt).eps
   q = query.astype(dt)
-  k = key.astype(dt)
-  v = value.astype(dt)
+  # Keys and values stay in their storage dtype (no float32 copy of the
+  # cache): the dots accumulate in float32. bf16 x bf16 products are exact
+  # in float32, so the rounding bound below is unchanged.
+  k, v = key, value
   d = q.shape[-1]
-  s = jnp.einsum("bhtd,bhsd->bhts", q, k, precision=_HIGHEST) * scale
+  s = jnp.einsum(
+    "bhtd,bhsd->bhts",
+    q.astype(jnp.promote_types(query.dtype, key.dtype)),
+    k,
+    precision=_HIGHEST,
+    preferred_element_type=dt,
+  )
+  s = s * scale
   valid = jnp.broadcast_to(jnp.asarray(valid, bool), s.shape)
   s_ng = lax.stop_gradient(s)
 
   # One pmax (global max logit, max key norm, any non-finite real logit) and
   # one psum (number of real keys).
-  k_norm = jnp.linalg.norm(lax.stop_gradient(k), axis=-1)  # [b, h, s]
+  k_f = lax.stop_gradient(k).astype(dt)  # fused into the reduction
+  k_norm = jnp.sqrt(jnp.sum(k_f * k_f, axis=-1))  # [b, h, s]
   local_max = jnp.max(s_ng, axis=-1, where=valid, initial=-jnp.inf)
   local_kn = jnp.max(
     jnp.where(valid, k_norm[:, :, None, :], 0.0), axis=-1, initial=0.0
