@@ -38,7 +38,7 @@ CERTIFICATE_NAME = "certificate"
 CERTIFICATES_COLLECTION = "certificates"
 
 
-@nnx.register_variable_name(CERTIFICATES_COLLECTION)
+@nnx.register_variable_name(CERTIFICATES_COLLECTION, overwrite=True)
 class CertificateVariable(nnx.Intermediate):
   """Holds the Certificate of a layer's last call (or None before the first).
 

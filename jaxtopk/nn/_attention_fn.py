@@ -22,6 +22,7 @@ weight matrix it would drop entries of. A call with ``dropout_rate > 0`` and
 ``deterministic=False`` raises instead of silently skipping dropout.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,7 @@ from flax import linen
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from jaxtopk.attention import topk_attention
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Policy
 
@@ -140,40 +142,24 @@ def certified_attention(
   return out, cert
 
 
+# One compiled program per shape and policy: eager callers (a model run
+# outside jit) pay one compilation instead of one per primitive; under an
+# outer jit this inlines.
+@functools.partial(
+  jax.jit, static_argnames=("policy", "is_causal", "implementation")
+)
 def _topk_attention(q, k, v, *, policy, mask, bias, is_causal, implementation):
   """Calls ``jaxtopk.topk_attention`` on ``[batch, len, heads, dim]`` arrays."""
-  # TEMPORARY until branch `attention` lands jaxtopk.topk_attention: the dense
-  # policy only, through jax.nn, with its exact (zero) certificate.
-  del implementation
-  from jaxtopk.selection import Dense
-
-  if not isinstance(policy, Dense):
-    raise NotImplementedError(
-      f"{policy=} needs jaxtopk.topk_attention (not merged yet)"
-    )
-  groups = q.shape[2] // k.shape[2]
-  k = jnp.repeat(k, groups, axis=2)
-  v = jnp.repeat(v, groups, axis=2)
-  out = jax.nn.dot_product_attention(
-    q, k, v, bias=bias, mask=mask, is_causal=is_causal
+  return topk_attention(
+    q,
+    k,
+    v,
+    policy=policy,
+    mask=mask,
+    bias=bias,
+    is_causal=is_causal,
+    implementation=implementation,
   )
-  shape = (q.shape[0], q.shape[1], q.shape[2])
-  real = jnp.ones((1, 1, q.shape[1], k.shape[1]), bool)
-  if mask is not None:
-    real = real & mask
-  if is_causal:
-    real = real & jnp.tri(q.shape[1], k.shape[1], dtype=bool)
-  real = jnp.broadcast_to(real, (shape[0], shape[2], shape[1], k.shape[1]))
-  kv_len = jnp.sum(real, axis=-1, dtype=jnp.int32).transpose(0, 2, 1)
-  cert = Certificate(
-    tv_bound=jnp.zeros(shape, jnp.float32),
-    log_tv_bound=jnp.full(shape, -jnp.inf, jnp.float32),
-    k_kept=kv_len,
-    keys_scored=kv_len,
-    output_error_bound=jnp.zeros(shape, jnp.float32),
-    valid=jnp.ones(shape, bool),
-  )
-  return out, cert
 
 
 def sow_certificate(module: Any, cert: Certificate) -> None:

@@ -49,8 +49,19 @@ def collect_certificates(tree: Any) -> dict[str, Certificate]:
     called are absent.
 
   Example:
-    >>> certs = collect_certificates(model)  # doctest: +SKIP
-    >>> {name: c.summary()["tv_bound_max"] for name, c in certs.items()}
+    >>> import jax.numpy as jnp
+    >>> import jaxtopk
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(*[
+    ...     jaxtopk.nn.CertifiedTopKAttention(
+    ...         num_heads=2, in_features=6, policy=jaxtopk.FixedK(3),
+    ...         decode=False, rngs=nnx.Rngs(0)) for _ in range(2)])
+    >>> y = model(jnp.ones((1, 5, 6)))
+    >>> certs = jaxtopk.nn.collect_certificates(model)
+    >>> list(certs)
+    ['layers/0/last_certificate', 'layers/1/last_certificate']
+    >>> certs['layers/1/last_certificate'].k_kept.shape
+    (1, 5, 2)
   """
   if isinstance(tree, nnx.Module):
     tree = nnx.state(tree, nnx.Intermediate)

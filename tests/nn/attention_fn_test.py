@@ -1,7 +1,6 @@
 """topk_attention_fn inside nnx.MultiHeadAttention and linen's attention."""
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
@@ -11,16 +10,24 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import nn as topk_nn
+from tests.nn.common import BATCH
+from tests.nn.common import FEATURES
+from tests.nn.common import KV_LEN
+from tests.nn.common import Q_LEN
+from tests.nn.common import normal
 from tests.tolerances import tol
 
-BATCH, Q_LEN, KV_LEN, FEATURES, HEADS = 3, 5, 7, 11, 2
-POLICIES = (("dense", jaxtopk.Dense()),)
+HEADS = 2
+POLICIES = (
+  ("dense", jaxtopk.Dense()),
+  ("fixed_k", jaxtopk.FixedK(3)),
+  ("certified", jaxtopk.Certified(0.1)),
+)
 
 
 def _inputs(dtype=jnp.float32):
-  kq, kk = jax.random.split(jax.random.key(0))
-  xq = jax.random.normal(kq, (BATCH, Q_LEN, FEATURES), dtype)
-  xk = jax.random.normal(kk, (BATCH, KV_LEN, FEATURES), dtype)
+  xq = normal((BATCH, Q_LEN, FEATURES), dtype)
+  xk = normal((BATCH, KV_LEN, FEATURES), dtype, offset=1)
   return xq, xk
 
 
@@ -45,9 +52,10 @@ def _layer(policy, dtype=jnp.float32):
 
 class NnxHookTest(parameterized.TestCase):
   @parameterized.named_parameters(
-    (f"{name}_{np.dtype(dtype).name}", policy, dtype)
-    for name, policy in POLICIES
-    for dtype in (jnp.float32, jnp.bfloat16)
+    (name, policy, dtype)
+    for (name, policy), dtype in zip(
+      POLICIES, (jnp.float32, jnp.bfloat16, jnp.float32), strict=True
+    )
   )
   def test_hook_in_nnx_matches_module(self, policy, dtype):
     layer = _layer(policy, dtype)
@@ -97,9 +105,10 @@ class NnxHookTest(parameterized.TestCase):
 
 class LinenHookTest(parameterized.TestCase):
   @parameterized.named_parameters(
-    (f"{name}_{np.dtype(dtype).name}", policy, dtype)
-    for name, policy in POLICIES
-    for dtype in (jnp.float32, jnp.bfloat16)
+    (name, policy, dtype)
+    for (name, policy), dtype in zip(
+      POLICIES, (jnp.bfloat16, jnp.float32, jnp.float32), strict=True
+    )
   )
   def test_hook_in_linen_matches_module(self, policy, dtype):
     layer = _layer(policy, dtype)

@@ -9,17 +9,17 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import nn as topk_nn
+from tests.nn.common import BATCH
+from tests.nn.common import FEATURES
+from tests.nn.common import KV_LEN
+from tests.nn.common import Q_LEN
+from tests.nn.common import normal
 from tests.tolerances import tol
-
-# Every test dimension a different size: batch 3, q_len 5, kv_len 7,
-# in_features 11, heads 2 (or 4 with GQA), head_dim 13 // not used.
-BATCH, Q_LEN, KV_LEN, FEATURES = 3, 5, 7, 11
 
 
 def _inputs(dtype=jnp.float32, kv_len=KV_LEN, batch=(BATCH,)):
-  kq, kk = jax.random.split(jax.random.key(0))
-  xq = jax.random.normal(kq, (*batch, Q_LEN, FEATURES), dtype)
-  xk = jax.random.normal(kk, (*batch, kv_len, FEATURES), dtype)
+  xq = normal((*batch, Q_LEN, FEATURES), dtype)
+  xk = normal((*batch, kv_len, FEATURES), dtype, offset=1)
   return xq, xk
 
 
@@ -65,7 +65,13 @@ class ParityTest(parameterized.TestCase):
       call["mask"] = _padding_mask()
     if case == "causal":
       call["is_causal"] = True
-    layer, ref = _pair(jaxtopk.Dense(), dtype=dtype, **extra)
+    # Every policy that keeps every key, spread over the cases.
+    policy = {
+      "mask": jaxtopk.FixedK(KV_LEN),
+      "gqa": jaxtopk.Ratio(1.0),
+      "causal": jaxtopk.PowerLaw(1.0, 1.0),
+    }.get(case, jaxtopk.Dense())
+    layer, ref = _pair(policy, dtype=dtype, **extra)
     xq, xk = _inputs(dtype)
     args = (xq,) if self_attention else (xq, xk)
     got = layer(*args, **call)
@@ -133,24 +139,26 @@ class DecodeTest(parameterized.TestCase):
   """Decode step by step equals a causal full-sequence forward."""
 
   @parameterized.named_parameters(
-    ("mha_f32", None, jnp.float32),
-    ("gqa_f32", 2, jnp.float32),
-    ("mha_bf16", None, jnp.bfloat16),
+    ("dense_mha_f32", jaxtopk.Dense(), None, jnp.float32),
+    ("dense_gqa_f32", jaxtopk.Dense(), 2, jnp.float32),
+    ("dense_mha_bf16", jaxtopk.Dense(), None, jnp.bfloat16),
+    ("fixed_k_gqa_f32", jaxtopk.FixedK(3), 2, jnp.float32),
   )
-  def test_decode_matches_causal_forward(self, num_kv_heads, dtype):
-    layer, ref = _pair(jaxtopk.Dense(), num_kv_heads=num_kv_heads, dtype=dtype)
+  def test_decode_matches_causal_forward(self, policy, num_kv_heads, dtype):
+    layer, ref = _pair(policy, num_kv_heads=num_kv_heads, dtype=dtype)
     x, _ = _inputs(dtype)
     full = layer(x, is_causal=True)
-    want = ref(x, is_causal=True)
-    np.testing.assert_allclose(
-      np.asarray(full, np.float32), np.asarray(want, np.float32), **tol(dtype)
-    )
+    if isinstance(policy, jaxtopk.Dense):
+      want = ref(x, is_causal=True)
+      np.testing.assert_allclose(
+        np.asarray(full, np.float32), np.asarray(want, np.float32), **tol(dtype)
+      )
     layer.init_cache(x.shape, dtype=dtype)
     steps = []
     for t in range(Q_LEN):
       steps.append(layer(x[:, t : t + 1], decode=True))
       cert = layer.last_certificate.get_value()
-      np.testing.assert_array_equal(cert.k_kept, t + 1)
+      np.testing.assert_array_equal(cert.k_kept, policy.num_kept(t + 1))
     np.testing.assert_allclose(
       np.asarray(jnp.concatenate(steps, axis=1), np.float32),
       np.asarray(full, np.float32),

@@ -10,9 +10,13 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import nn as topk_nn
+from tests.nn.common import BATCH
+from tests.nn.common import FEATURES
+from tests.nn.common import KV_LEN as SEQ
+from tests.nn.common import normal
 from tests.tolerances import tol
 
-BATCH, SEQ, FEATURES, HEADS = 3, 7, 11, 2
+HEADS = 2
 
 
 class Block(linen.Module):
@@ -35,9 +39,11 @@ class Block(linen.Module):
 
 
 class LinenBridgeTest(parameterized.TestCase):
-  @parameterized.named_parameters(("dense", jaxtopk.Dense()))
+  @parameterized.named_parameters(
+    ("dense", jaxtopk.Dense()), ("fixed_k", jaxtopk.FixedK(3))
+  )
   def test_linen_model_matches_nnx_layer(self, policy):
-    x = jax.random.normal(jax.random.key(0), (BATCH, SEQ, FEATURES))
+    x = normal((BATCH, SEQ, FEATURES))
     mask = (jnp.arange(SEQ) < SEQ - 2)[None, None, None, :]
     model = Block(policy)
     variables = model.init(jax.random.key(1), x, mask)
