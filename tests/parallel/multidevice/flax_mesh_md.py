@@ -29,7 +29,7 @@ class Model(nnx.Module):
     self.attn = jaxtopk.nn.CertifiedTopKAttention(
       num_heads=HEADS,
       in_features=F,
-      policy=jaxtopk.Dense(),  # FixedK once branch flax uses topk_attention
+      policy=jaxtopk.FixedK(3),
       decode=False,
       rngs=rngs,
     )
