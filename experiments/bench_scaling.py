@@ -191,13 +191,15 @@ def main(argv):
   if cfg.simulated_devices:
     # Only affects the CPU backend; must run before the backend starts.
     jax.config.update("jax_num_cpu_devices", int(cfg.simulated_devices))
-  workdir.mkdir(parents=True, exist_ok=True)
+  writer = jax.process_index() == 0  # multi-host: one process writes
   metrics = workdir / "metrics.jsonl"
-  if metrics.exists():
-    raise SystemExit(
-      f"{metrics} exists; refusing to mix runs (use a new --workdir)"
-    )
-  (workdir / "config.json").write_text(cfg.to_json(indent=2))
+  if writer:
+    workdir.mkdir(parents=True, exist_ok=True)
+    if metrics.exists():
+      raise SystemExit(
+        f"{metrics} exists; refusing to mix runs (use a new --workdir)"
+      )
+    (workdir / "config.json").write_text(cfg.to_json(indent=2))
   meshes = [_MESH.value] if _MESH.value else list(cfg.meshes)
   logging.info("devices: %s", jax.devices())
   rows, reference = [], {}
@@ -209,16 +211,18 @@ def main(argv):
         row = _study_one(cfg, pol_name, policy, mesh_spec, n, reference)
         row["device_kind"] = jax.devices()[0].device_kind
         rows.append(row)
-        with metrics.open("a") as f:
-          f.write(json.dumps(row) + "\n")
+        if writer:
+          with metrics.open("a") as f:
+            f.write(json.dumps(row) + "\n")
         print(
           f"[{len(rows)}/{total}] {pol_name} {mesh_spec} n={n}:"
           f" {row['collectives']} collectives,"
           f" {row['sent_bytes_per_row']:.0f} B/row sent",
           flush=True,
         )
-  (workdir / "scaling.json").write_text(json.dumps(rows, indent=1))
-  _plot(rows, workdir / "scaling.png")
+  if writer:
+    (workdir / "scaling.json").write_text(json.dumps(rows, indent=1))
+    _plot(rows, workdir / "scaling.png")
 
 
 if __name__ == "__main__":
