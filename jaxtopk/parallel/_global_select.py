@@ -4,15 +4,20 @@ Each shard holds a slice of every row's logits. These functions choose the
 SAME kept set a single device would choose over the whole row, exchanging
 only small per-row statistics (never the logits themselves):
 
-- ``global_topk_keep``: the ``topk`` largest logits of the whole row. Every
-  shard proposes its local ``min(topk, n_local)`` largest logits; one
-  all-gather of these candidates gives every shard the global ``topk``-th
-  largest value t (the global top-k is a subset of the union of the local
-  top-k's). Keys above t are kept; of the keys equal to t, the lowest global
-  indices are kept until ``topk`` are (an all-gather of per-shard tie counts
-  gives each shard its prefix), which is ``lax.top_k``'s tie rule, so the
-  kept set equals the single-device one exactly. Bytes per row:
-  ``devices * min(topk, n_local)`` logits.
+- ``global_topk_keep``: the ``topk`` largest logits of the whole row. The
+  shards agree on the global ``topk``-th largest value t in one of two ways:
+  'candidates', every shard proposes its local ``min(topk, n_local)``
+  largest logits and one all-gather gives every shard the union (the global
+  top-k is a subset of it): ``devices * min(topk, n_local)`` logits per row;
+  or 'radix', a radix select over the order-preserving bits of the logits
+  (``selection._threshold.sortable_bits``), 8 bits per round, each round one
+  psum of a 256-bin count histogram: 4 rounds (float32) of 256 counts per
+  row whatever topk, n and the device count. 'auto' picks the one moving
+  fewer bytes. Keys above t are kept; of the keys equal to t, the lowest
+  global indices are kept until ``topk`` are (an all-gather of per-shard tie
+  counts gives each shard its prefix), which is ``lax.top_k``'s and
+  ``selection._threshold.topk_mask``'s tie rule, so the kept set equals the
+  single-device one exactly.
 - ``global_certified_keep``: the certified set of a GLOBAL budget eps (not
   eps per shard): keep the largest logits down to a threshold whose tail
   below it holds at most ``eps`` of the global softmax mass. A threshold,
@@ -46,7 +51,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxtopk.selection import _threshold
+
 NUM_BINS = 64
+_DIGIT_BITS = 8
+_RADIX = 1 << _DIGIT_BITS
 
 
 def psum(x, axis_name):
@@ -76,29 +85,9 @@ def _shard_prefix(count, axis_name):
   return jnp.sum(jnp.where(before, every, 0), axis=-1).astype(count.dtype)
 
 
-def global_topk_keep(
-  logits, valid, *, topk: int, axis_name, row_topk=None
-) -> jax.Array:
-  """The global ``topk`` largest real logits of each row, as a local mask.
-
-  Args:
-    logits: ``[..., n_local]`` this shard's logits (float).
-    valid: ``[..., n_local]`` bool, True for a real key.
-    topk: static number of kept keys over the whole row (the maximum over
-      rows when ``row_topk`` is given), <= the global number of keys; rows
-      with fewer real keys keep all of them.
-    axis_name: mapped axis the keys are split over, or None.
-    row_topk: optional ``[...]`` int per-row count, 0 <= row_topk <= topk
-      (e.g. ``Ratio`` over each row's real keys).
-
-  Returns:
-    ``[..., n_local]`` bool kept set (a subset of ``valid``). Ties at the
-    threshold go to the lowest global index, as in ``lax.top_k``.
-  """
-  n_local = logits.shape[-1]
-  if topk < 1:
-    raise ValueError(f"{topk=} must be >= 1")
-  s = lax.stop_gradient(logits)
+def _kth_largest_bits_candidates(s, valid, topk, row_topk, axis_name):
+  """Threshold from an all-gather of every shard's local top candidates."""
+  n_local = s.shape[-1]
   cand = jnp.where(valid, s, -jnp.inf)  # selection only; math never sees it
   local = lax.top_k(cand, min(topk, n_local))[0]  # [..., c]
   every = gather_last(local, axis_name)  # [..., D * c]
@@ -107,13 +96,90 @@ def global_topk_keep(
       f"{topk=} exceeds the {every.shape[-1]} keys of the whole row"
     )
   best = lax.top_k(every, topk)[0]  # [..., topk], descending
+  idx = jnp.clip(row_topk - 1, 0, topk - 1)[..., None]
+  thr = jnp.take_along_axis(best, idx, axis=-1)  # [..., 1]
+  return _threshold.sortable_bits(thr)
+
+
+def _kth_largest_bits_radix(bits, valid, row_topk, axis_name):
+  """Radix select over 8-bit digits: one psum of a 256-bin count per digit.
+
+  Finds the largest T with #{valid, bits >= T} >= row_topk over the whole
+  row (the row_topk-th largest key), exactly as
+  ``selection._threshold.kth_largest_bits``, in 4 (float32) or 8 (float64)
+  collective rounds of ``256`` counts per row.
+  """
+  ut = bits.dtype
+  nbits = jnp.iinfo(ut).bits
+  prefix = jnp.zeros(bits.shape[:-1], ut)
+  need = jnp.maximum(row_topk, 1)
+  for p in range(nbits // _DIGIT_BITS):
+    shift = nbits - _DIGIT_BITS * (p + 1)
+    if p == 0:
+      match = valid
+    else:
+      high = jnp.asarray(shift + _DIGIT_BITS, ut)
+      match = valid & ((bits >> high) == (prefix >> high)[..., None])
+    digit = ((bits >> jnp.asarray(shift, ut)) & (_RADIX - 1)).astype(jnp.int32)
+    hist = _row_histogram(match.astype(jnp.int32), digit, _RADIX)
+    hist = psum(hist, axis_name)  # [..., 256]
+    at_or_above = jnp.flip(jnp.cumsum(jnp.flip(hist, -1), axis=-1), -1)
+    ok = at_or_above >= need[..., None]  # True for digits <= the answer
+    d_star = jnp.sum(ok, axis=-1) - 1  # largest digit with enough keys
+    d_star = jnp.maximum(d_star, 0)
+    above = jnp.concatenate(
+      [at_or_above[..., 1:], jnp.zeros_like(at_or_above[..., :1])], -1
+    )
+    need = need - jnp.take_along_axis(above, d_star[..., None], -1)[..., 0]
+    prefix = prefix | (d_star.astype(ut) << jnp.asarray(shift, ut))
+  return prefix[..., None]
+
+
+def global_topk_keep(
+  logits, valid, *, topk: int, axis_name, row_topk=None, method="auto"
+) -> jax.Array:
+  """The global ``topk`` largest real logits of each row, as a local mask.
+
+  Args:
+    logits: ``[..., n_local]`` this shard's logits (float32 or float64).
+    valid: ``[..., n_local]`` bool, True for a real key.
+    topk: static number of kept keys over the whole row (the maximum over
+      rows when ``row_topk`` is given), <= the global number of keys; rows
+      with fewer real keys keep all of them.
+    axis_name: mapped axis the keys are split over, or None.
+    row_topk: optional ``[...]`` int per-row count, 0 <= row_topk <= topk
+      (e.g. ``Ratio`` over each row's real keys).
+    method: how the shards agree on the threshold: 'candidates' (one
+      all-gather of ``devices * min(topk, n_local)`` logits per row),
+      'radix' (4 psums of 256 counts per row, float32; independent of topk
+      and n), or 'auto' (the one moving fewer bytes).
+
+  Returns:
+    ``[..., n_local]`` bool kept set (a subset of ``valid``). Ties at the
+    threshold go to the lowest global index, as in ``lax.top_k``.
+  """
+  n_local = logits.shape[-1]
+  if topk < 1:
+    raise ValueError(f"{topk=} must be >= 1")
+  if method not in ("auto", "candidates", "radix"):
+    raise ValueError(f"{method=} must be 'auto', 'candidates' or 'radix'")
+  s = lax.stop_gradient(logits)
   if row_topk is None:
     row_topk = jnp.full(s.shape[:-1], topk, jnp.int32)
   row_topk = jnp.asarray(row_topk, jnp.int32)
-  idx = jnp.clip(row_topk - 1, 0, topk - 1)[..., None]
-  thr = jnp.take_along_axis(best, idx, axis=-1)  # [..., 1]
-  above = valid & (s > thr)
-  ties = valid & (s == thr)
+  n_shards = 1 if axis_name is None else lax.axis_size(axis_name)
+  bits = _threshold.sortable_bits(s)
+  if method == "auto":
+    nbits = jnp.iinfo(bits.dtype).bits
+    radix_words = 2 * (nbits // _DIGIT_BITS) * _RADIX  # all-reduce: 2x
+    cand_words = n_shards * min(topk, n_local)
+    method = "radix" if cand_words > radix_words else "candidates"
+  if method == "radix":
+    thr = _kth_largest_bits_radix(bits, valid, row_topk, axis_name)
+  else:
+    thr = _kth_largest_bits_candidates(s, valid, topk, row_topk, axis_name)
+  above = valid & (bits > thr)
+  ties = valid & (bits == thr)
   n_above = psum(jnp.sum(above, axis=-1, dtype=jnp.int32), axis_name)
   n_ties_local = jnp.sum(ties, axis=-1, dtype=jnp.int32)
   need = row_topk - n_above - _shard_prefix(n_ties_local, axis_name)  # [...]

@@ -36,14 +36,18 @@ def _rows(seed, rows, n, *, ties):
 
 class GlobalTopkTest(parameterized.TestCase):
   @parameterized.named_parameters(
-    ("top1", 3, 1, True),
-    ("ties_more_than_local", 5, 7, True),
-    ("all_keys", 3, 15, False),
+    ("top1", 3, 1, True, "candidates"),
+    ("ties_more_than_local", 5, 7, True, "candidates"),
+    ("all_keys", 3, 15, False, "candidates"),
+    ("radix_ties", 5, 7, True, "radix"),
+    ("radix_top1", 3, 1, False, "radix"),
   )
-  def test_equals_lax_top_k_on_the_whole_row(self, n_shards, topk, ties):
+  def test_equals_lax_top_k_on_the_whole_row(
+    self, n_shards, topk, ties, method
+  ):
     s, valid = _rows(0, 11, 15, ties=ties)
     fn = lambda s_, v_: parallel.global_topk_keep(  # noqa: E731
-      s_, v_, topk=topk, axis_name="kv"
+      s_, v_, topk=topk, axis_name="kv", method=method
     )
     keep = _join(
       jax.jit(jax.vmap(fn, axis_name="kv"))(
@@ -59,12 +63,13 @@ class GlobalTopkTest(parameterized.TestCase):
       jnp.sum(keep, -1), jnp.minimum(jnp.sum(valid, -1), topk)
     )
 
-  def test_per_row_counts_match_selection_topk_mask(self):
+  @parameterized.parameters("candidates", "radix")
+  def test_per_row_counts_match_selection_topk_mask(self, method):
     # The single-device reference of topk_attention (radix select).
     s, valid = _rows(1, 7, 15, ties=True)
     row_topk = jnp.array([3, 0, 1, 5, 7, 2, 4], jnp.int32)
     fn = lambda s_, v_: parallel.global_topk_keep(  # noqa: E731
-      s_, v_, topk=7, axis_name="kv", row_topk=row_topk
+      s_, v_, topk=7, axis_name="kv", row_topk=row_topk, method=method
     )
     keep = _join(
       jax.jit(jax.vmap(fn, axis_name="kv"))(_split(s, 5), _split(valid, 5))
