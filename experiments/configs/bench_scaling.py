@@ -5,7 +5,8 @@ Launch (8 simulated CPU devices, compile only, a few minutes):
   python -m experiments.bench_scaling \
     --config=experiments/configs/bench_scaling.py --workdir=/tmp/scaling
 
-Smoke (seconds): ``--config=experiments/configs/bench_scaling.py:smoke``.
+Smoke (seconds): ``--config=experiments/configs/bench_scaling.py:smoke``;
+``:count`` reruns the count policies only.
 """
 
 import ml_collections
@@ -36,6 +37,12 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.meshes = ["kv=1", "data=2,kv=4"]
     c.policies = {"certified_1pct": "Certified(0.01)"}
     c.execute_max_n = 1024
+  elif arg == "count":  # count policies only (after the radix exchange)
+    c.n_values = [4096, 65536, 1048576]
+    c.meshes = ["kv=2", "kv=4", "kv=8"]
+    c.policies = {"fixedk_1024": "FixedK(1024)", "ratio_1_64": "Ratio(1 / 64)"}
   elif arg:
-    raise ValueError(f"unknown config variant {arg=}; use '' or 'smoke'")
+    raise ValueError(
+      f"unknown config variant {arg=}; use '', 'smoke' or 'count'"
+    )
   return c
