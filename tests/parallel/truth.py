@@ -23,7 +23,7 @@ def split_kv(x, n_shards, axis=2):
 
 
 @functools.cache
-def _simulator(policy, n_shards, scale, n):
+def simulator(policy, n_shards, scale, n):
   def fn(q, k_, v_, m_):
     return parallel.kv_shard_attention(
       q,
@@ -51,7 +51,7 @@ def simulated_kv_attention(q, k, v, valid, *, policy, n_shards, scale=None):
   n = k.shape[2]
   scale = float(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
   valid = jnp.broadcast_to(valid, (*q.shape[:3], n))
-  out, cert, keep = _simulator(policy, n_shards, scale, n)(
+  out, cert, keep = simulator(policy, n_shards, scale, n)(
     q,
     split_kv(k, n_shards),
     split_kv(v, n_shards),
