@@ -262,15 +262,25 @@ def _build(mesh, policy, scale, is_causal, n_total, axes, mask_spec, has_mask):
   n_local = n_total // n_shards
 
   def per_shard(q, k, v, mask):
-    q = jnp.swapaxes(q, 1, 2)  # [b, h, t, d]
-    k = jnp.swapaxes(k, 1, 2)  # [b, h, s, d]
-    v = jnp.swapaxes(v, 1, 2)  # [b, h, s, e]
-    t = q.shape[2]
-    valid = jnp.ones((1, 1, 1, n_local), bool) if mask is None else mask
+    b, t, h, d = q.shape  # local sizes
+    hk = k.shape[2]
+    g = h // hk  # GQA: the g query heads of a kv head become g * t rows
+    q = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)  # [b,hk,g,t,d]
+    q = q.reshape(b, hk, g * t, d)
+    k = jnp.swapaxes(k, 1, 2)  # [b, hk, s, d]
+    v = jnp.swapaxes(v, 1, 2)  # [b, hk, s, e]
+    if mask is None:
+      valid = jnp.ones((1, 1, 1, 1, n_local), bool)
+    elif mask.shape[1] == 1:
+      valid = mask[:, :, None]  # [b|1, 1, 1, t|1, s]
+    else:
+      valid = mask.reshape(mask.shape[0], hk, g, *mask.shape[2:])
     if is_causal:
       first = 0 if s_ax is None else lax.axis_index(s_ax) * n_local
       k_pos = first + jnp.arange(n_local)
       valid = valid & (k_pos[None, :] <= jnp.arange(t)[:, None])
+    valid = jnp.broadcast_to(valid, (*valid.shape[:2], g, t, n_local))
+    valid = valid.reshape(*valid.shape[:2], g * t, n_local)
     out, cert = kv_shard_attention(
       q,
       k,
@@ -281,9 +291,13 @@ def _build(mesh, policy, scale, is_causal, n_total, axes, mask_spec, has_mask):
       axis_name=s_ax,
       n_total=n_total,
     )
-    out = jnp.swapaxes(out, 1, 2)  # [b, t, h, e]
-    cert = jax.tree.map(lambda x: jnp.swapaxes(x, 1, 2), cert)  # [b, t, h]
-    return out, cert
+
+    def to_bth(x):  # [b, hk, g * t, ...] -> [b, t, h, ...]
+      x = x.reshape(b, hk, g, t, *x.shape[3:])
+      x = jnp.moveaxis(x, 3, 1)  # [b, t, hk, g, ...]
+      return x.reshape(b, t, h, *x.shape[4:])
+
+    return to_bth(out), jax.tree.map(to_bth, cert)
 
   q_spec = P(b_ax, None, h_ax, None)
   kv_spec = P(b_ax, s_ax, h_ax, None)
@@ -387,8 +401,10 @@ def sharded_topk_attention(
 
   Args:
     query: ``[batch, q_len, heads, head_dim]``.
-    key: ``[batch, kv_len, heads, head_dim]``.
-    value: ``[batch, kv_len, heads, v_dim]``.
+    key: ``[batch, kv_len, kv_heads, head_dim]``; heads a multiple of
+      kv_heads (GQA: no copy of the keys, the query heads of a kv head are
+      rows of one attention problem).
+    value: ``[batch, kv_len, kv_heads, v_dim]``.
     policy: Dense, FixedK, Ratio, PowerLaw (per-row count over the row's
       real keys, as ``topk_attention``) or Certified with a GLOBAL eps
       (searches 'delta' and 'mc' run the exact search: every logit is
@@ -427,11 +443,19 @@ def sharded_topk_attention(
       f" {query.shape=}, {key.shape=}, {value.shape=}"
     )
   b, t, h, d = query.shape
-  if key.shape[0] != b or key.shape[2] != h or key.shape[3] != d:
+  if key.shape[0] != b or key.shape[3] != d:
     raise ValueError(f"{key.shape=} does not match {query.shape=}")
+  if h % key.shape[2]:
+    raise ValueError(
+      f"num_heads={h} must be a multiple of num_kv_heads={key.shape[2]} (GQA)"
+    )
   if value.shape[:3] != key.shape[:3]:
     raise ValueError(f"{value.shape=} does not match {key.shape=}")
-  for name, size, ax in (("batch", b, batch_axis), ("heads", h, head_axis)):
+  hk = key.shape[2]
+  for name, size, ax in (
+    ("batch", b, batch_axis),
+    ("num_kv_heads", hk, head_axis),
+  ):
     ax = _mesh.axis_or_none(mesh, ax)
     if ax is not None and size % mesh.shape[ax]:
       raise ValueError(

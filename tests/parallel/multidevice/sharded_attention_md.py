@@ -31,11 +31,11 @@ def setUpModule():
     )
 
 
-def _inputs(seed, *, q_scale=2.0):
+def _inputs(seed, *, q_scale=2.0, kv_heads=H):
   rng = np.random.default_rng(seed)
   q = jnp.asarray(rng.standard_normal((B, T, H, D)) * q_scale, jnp.float32)
-  k = jnp.asarray(rng.standard_normal((B, N, H, D)), jnp.float32)
-  v = jnp.asarray(rng.standard_normal((B, N, H, E)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((B, N, kv_heads, D)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((B, N, kv_heads, E)), jnp.float32)
   mask = jnp.asarray(rng.random((B, 1, 1, N)) > 0.2)  # key padding
   return q, k, v, mask
 
@@ -57,14 +57,16 @@ MESHES = {
 
 class ShardedAttentionTest(parameterized.TestCase):
   @parameterized.named_parameters(
-    ("kv8_fixed", "kv8", FixedK(5), False),
-    ("kv8_certified_causal", "kv8", Certified(0.02), True),
-    ("data2_kv4_certified", "data2_kv4", Certified(0.1, max_topk=6), False),
-    ("mixed_ratio_causal", "data2_heads2_kv2", Ratio(0.2), True),
-    ("heads_data_dense", "heads4_data2", Dense(), False),
+    ("kv8_fixed", "kv8", FixedK(5), False, H),
+    ("kv8_certified_causal", "kv8", Certified(0.02), True, H),
+    ("data2_kv4_certified", "data2_kv4", Certified(0.1, max_topk=6), False, H),
+    ("mixed_ratio_causal_gqa", "data2_heads2_kv2", Ratio(0.2), True, 2),
+    ("heads_data_dense", "heads4_data2", Dense(), False, H),
   )
-  def test_sharded_equals_single_device(self, mesh_name, policy, is_causal):
-    q, k, v, mask = _inputs(0)
+  def test_sharded_equals_single_device(
+    self, mesh_name, policy, is_causal, kv_heads
+  ):
+    q, k, v, mask = _inputs(0, kv_heads=kv_heads)
     mesh = parallel.make_mesh(MESHES[mesh_name])
     q_s, k_s, v_s = parallel.shard_attention_inputs(mesh, q, k, v)
     out, cert = parallel.sharded_topk_attention(
