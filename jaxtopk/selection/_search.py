@@ -146,11 +146,52 @@ def box_abs_dot(query, box, scale) -> jax.Array:
 
   Bounds scale * sum_c |q_c k_c| for every key in a non-empty block, for the
   logit rounding slack (``_certify.logit_rounding``).
+
+  Args:
+    query: ``[..., g, d]``, g queries sharing the keys (GQA group).
+    box: BoxSummary with ``[..., n_blocks, d]`` arrays.
+    scale: positive logit scale.
+
+  Returns:
+    ``[..., g]``.
   """
   a = jnp.maximum(jnp.abs(box.kmin), jnp.abs(box.kmax))  # [..., nb, d]
-  per = jnp.sum(jnp.abs(query)[..., None, :] * a, -1)  # [..., nb]
-  per = jnp.where(box.count > 0, per, 0.0)
-  return scale * jnp.max(per, -1) * (1 + 4 * jnp.finfo(per.dtype).eps)
+  # An einsum, not sum(|q|[..., None, :] * a, -1): XLA:CPU runs that
+  # broadcast-multiply-reduce ~50x slower than the equivalent dot.
+  per = jnp.einsum("...gd,...nd->...gn", jnp.abs(query), a)  # [..., g, nb]
+  per = jnp.where(box.count[..., None, :] > 0, per, 0.0)
+  d = a.shape[-1]
+  return scale * jnp.max(per, -1) * (1 + (d + 4) * jnp.finfo(per.dtype).eps)
+
+
+def box_upper_bound_dot(query, box, *, scale) -> jax.Array:
+  """``theory.box_upper_bound`` written as dot products (same bound).
+
+  sum_c max(q_c m_c, q_c M_c) = q^+ . M - q^- . m with q^+ = max(q, 0) and
+  q^- = max(-q, 0), exactly; the float result gets the same
+  (d + 2) eps sum|terms| dot-product slack and a final relative round-up.
+  On XLA:CPU this runs ~50x faster than the broadcast-multiply-reduce form
+  for decode-sized caches (measured in BUILD_NOTES).
+
+  Args:
+    query: ``[..., g, d]``, g queries sharing the keys (GQA group).
+    box: BoxSummary with ``[..., n_blocks, d]`` arrays.
+    scale: positive logit scale.
+
+  Returns:
+    ``[..., g, n_blocks]`` upper bounds, -inf for empty blocks.
+  """
+  dt = box.kmin.dtype
+  q = query.astype(dt)
+  qp, qm = jnp.maximum(q, 0.0), jnp.maximum(-q, 0.0)
+  ein = lambda x, y: jnp.einsum("...gd,...nd->...gn", x, y)
+  u = ein(qp, box.kmax) - ein(qm, box.kmin)  # [..., nb]
+  abs_terms = ein(qp, jnp.abs(box.kmax)) + ein(qm, jnp.abs(box.kmin))
+  d = q.shape[-1]
+  eps = jnp.finfo(dt).eps
+  u = scale * (u + (d + 3) * eps * abs_terms)
+  u = u + jnp.abs(u) * 2 * eps
+  return jnp.where(box.count[..., None, :] > 0, u, -jnp.inf)
 
 
 def _mc_log_mass_row(q, kb, vb, u, cnt, rng, *, scale, num_samples, delta):

@@ -26,6 +26,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array
+from jaxtyping import ArrayLike
+from jaxtyping import Bool
+from jaxtyping import Float
+from jaxtyping import Int
 
 from jaxtopk.theory import _rows
 from jaxtopk.theory import _tail
@@ -259,7 +264,13 @@ def blockwise_log_bound_row(
 
 
 @jax.jit
-def logit_rounding_bound(query, keys, *, scale, mask=None) -> jax.Array:
+def logit_rounding_bound(
+  query: Float[ArrayLike, "*b d"],
+  keys: Float[ArrayLike, "*b n d"],
+  *,
+  scale,
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+) -> Float[Array, "*b"]:
   """Bound on |float logit - exact logit| over a row's keys (THEORY 3.4).
 
   A d-term float dot product, then the scale, is off by at most
@@ -288,8 +299,15 @@ def logit_rounding_bound(query, keys, *, scale, mask=None) -> jax.Array:
 
 
 def blockwise_log_bound(
-  logits, keep, scored, block_upper, block_count, mask=None, *, logit_error=None
-) -> jax.Array:
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  scored: Bool[ArrayLike, "*b n"],
+  block_upper: Float[ArrayLike, "*b nb"],
+  block_count: Int[ArrayLike, "*b nb"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  logit_error: Float[ArrayLike, "*b"] | None = None,
+) -> Float[Array, "*b"]:
   """log of the blockwise tail bound over any leading axes (THEORY 3.3).
 
   Args:
@@ -342,8 +360,15 @@ def blockwise_log_bound(
 
 
 def blockwise_bound(
-  logits, keep, scored, block_upper, block_count, mask=None, *, logit_error=None
-) -> jax.Array:
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  scored: Bool[ArrayLike, "*b n"],
+  block_upper: Float[ArrayLike, "*b nb"],
+  block_count: Int[ArrayLike, "*b nb"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  logit_error: Float[ArrayLike, "*b"] | None = None,
+) -> Float[Array, "*b"]:
   """Upper bound on tau from scored keys plus unscored block bounds.
 
   THEORY 3.3: tau <= U / (Z_H + U) with
@@ -355,7 +380,7 @@ def blockwise_bound(
   Returns:
     ``[...]`` upper bound on tau in float32 (float64 for float64 input).
   """
-  return jnp.exp(
+  return _rows.exp_up(
     blockwise_log_bound(
       logits,
       keep,

@@ -10,6 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxtopk
+from jaxtopk import theory
+from jaxtopk.selection import _search
 
 R, N, D, BS = 3, 40, 5, 8  # rows, keys (ragged last block), dim, block
 
@@ -98,6 +100,21 @@ class SearchTest(parameterized.TestCase):
       fails += int(np.sum(np.asarray(sel.certificate.tv_bound) < tau))
       self.assertEqual(sel.certificate.failure_prob, 0.05)
     self.assertLessEqual(fails / (3 * r), 0.05)
+
+  def test_dot_box_bound_equals_theory_box_bound(self):
+    k = _clustered(5, 2, 64, 7)
+    q = np.asarray(jax.random.normal(jax.random.key(6), (2, 3, 7)))
+    box = theory.box_summary(k, block_size=BS)
+    sub = jax.tree.map(lambda x: x[:, None], box)  # broadcast over 3
+    want = theory.box_upper_bound(q, sub, scale=0.4)  # [2, 3, nb]
+    got = _search.box_upper_bound_dot(q, box, scale=0.4)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    s = np.einsum("rgd,rnd->rgn", q.astype(np.float64), k) * 0.4
+    smax = s.reshape(2, 3, -1, BS).max(-1)
+    self.assertTrue(np.all(np.asarray(got, np.float64) >= smax))
+    absdot = _search.box_abs_dot(q, box, 0.4)
+    want_abs = 0.4 * np.einsum("rgd,rnd->rgn", np.abs(q), np.abs(k)).max(-1)
+    self.assertTrue(np.all(np.asarray(absdot, np.float64) >= want_abs))
 
   @parameterized.named_parameters(
     ("policy", dict(policy=jaxtopk.FixedK(2)), TypeError, "Certified"),
