@@ -15,10 +15,16 @@ adds:
   ``jaxtopk.nn.collect_certificates(model)`` reads them per layer.
 
 Decode mode (``decode=True`` after ``init_cache``) feeds one token at a time,
-as nnx.MultiHeadAttention does; the cached keys are masked to the positions
-written so far.
+as nnx.MultiHeadAttention does, but the cache is a ``jaxtopk.KVCache``
+(head-major keys and values with per-block key boxes and value norms, DESIGN
+"one decode step") held in ``self.kv_cache``, and each step runs
+``jaxtopk.decode_attention`` over it: Top-k without a full pass over the
+values, and Delta-/MC-Search that skips cache blocks (THEORY 6.2/6.3). A step
+given an extra ``mask`` runs ``jaxtopk.topk_attention`` over the cache
+instead (``decode_attention`` takes no mask).
 """
 
+import math
 from typing import Any
 
 import jax
@@ -27,15 +33,22 @@ from flax import nnx
 from flax.nnx import rnglib
 from flax.nnx.module import first_from
 
+from jaxtopk.attention import KVCache
+from jaxtopk.attention import decode_attention
+from jaxtopk.attention import init_kv_cache
+from jaxtopk.attention import kv_cache_update
 from jaxtopk.nn._attention_fn import certified_attention
 from jaxtopk.nn._attention_fn import check_implementation
 from jaxtopk.nn._attention_fn import check_policy
+from jaxtopk.nn._attention_fn import flatten_batch
 from jaxtopk.nn._attention_fn import topk_attention_fn
 from jaxtopk.selection import Certificate
+from jaxtopk.selection import Certified
 from jaxtopk.selection import Policy
 
 CERTIFICATE_NAME = "certificate"
 CERTIFICATES_COLLECTION = "certificates"
+DEFAULT_BLOCK_SIZE = 64  # cache summary block when the policy sets none
 
 
 @nnx.register_variable_name(CERTIFICATES_COLLECTION, overwrite=True)
@@ -128,6 +141,14 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     self.policy = policy
     self.implementation = implementation
     self.last_certificate = CertificateVariable(None)
+    self.kv_cache: nnx.Cache[KVCache] | None = nnx.data(None)
+    # MC-Search (THEORY 6.3) samples keys in decode: its own rng stream,
+    # split off after the parameters so they match nnx.MultiHeadAttention's.
+    self.search_rngs = (
+      nnx.Rngs(search=rngs.params())
+      if isinstance(policy, Certified) and policy.search == "mc"
+      else nnx.data(None)
+    )
 
   def __call__(
     self,
@@ -155,9 +176,11 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
       deterministic: as nnx.MultiHeadAttention; must be True (or dropout_rate
         0) since Top-k attention has no weight dropout.
       rngs: unused (no dropout); accepted for signature compatibility.
+        MC-Search decode draws from the layer's own ``search_rngs``.
       sow_weights: must be False: Top-k attention never forms the dense
         weights. Certificates are always recorded instead.
-      decode: use the autoregressive cache (one token per call).
+      decode: use the autoregressive cache (one token per call); ``mask``
+        then broadcasts to ``[batch..., num_heads, 1, max_len]``.
       is_causal: causal mask over the sequence (ignored in decode mode, where
         the cache mask is causal by construction).
       out_sharding: sharding of the output projection.
@@ -203,8 +226,9 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
       "as a __call__ argument, constructor argument or nnx flag.",
     )
     if decode:
-      key, value, mask = self._update_cache(key, value, mask)
-      is_causal = False
+      x, cert = self._decode_step(query, key, value, mask)
+      self._record(cert)
+      return self.out(x, out_sharding=out_sharding)
 
     if self.dropout_rate > 0.0:
       deterministic = first_from(
@@ -237,38 +261,110 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     if hasattr(self, "__captures__"):  # inside nnx.capture
       self.sow(nnx.Intermediate, CERTIFICATE_NAME, cert)
 
-  def _update_cache(self, key, value, mask):
-    """Writes one step's key/value into the cache; returns the cached ones."""
-    if (
-      self.cached_key is None
-      or self.cached_value is None
-      or self.cache_index is None
-    ):
+  def init_cache(self, input_shape, dtype=jnp.float32, *, block_size=None):
+    """Allocates an empty decode cache (a ``jaxtopk.KVCache``).
+
+    Args:
+      input_shape: ``(*batch, max_length, features)``, as for
+        ``nnx.MultiHeadAttention.init_cache``; batch axes are flattened
+        inside the cache.
+      dtype: storage dtype of cached keys and values.
+      block_size: positions per key-summary block; default the policy's
+        ``block_size`` for Certified, else 64 (at most ``max_length``). The
+        capacity is rounded up to a multiple of it.
+    """
+    *batch, max_length, _ = input_shape
+    if block_size is None:
+      if isinstance(self.policy, Certified):
+        block_size = self.policy.block_size
+      else:
+        block_size = min(DEFAULT_BLOCK_SIZE, max_length)
+    capacity = -(-max_length // block_size) * block_size
+    self.kv_cache = nnx.Cache(
+      init_kv_cache(
+        math.prod(batch),
+        capacity,
+        self.num_kv_heads,
+        self.head_dim,
+        block_size=block_size,
+        dtype=dtype,
+      )
+    )
+
+  def set_view(
+    self,
+    deterministic=None,
+    decode=None,
+    batch_size=None,
+    max_length=None,
+  ):
+    """Used by ``nnx.view``: sets modes and, for decode, allocates a cache."""
+    if deterministic is not None:
+      self.deterministic = deterministic
+    if decode is not None:
+      self.decode = decode
+      if decode and self.kv_cache is None:
+        if batch_size is None or max_length is None:
+          raise TypeError(
+            "batch_size and max_length are needed to initialise the cache; "
+            f"got {batch_size=}, {max_length=}"
+          )
+        if isinstance(batch_size, int):
+          batch_size = (batch_size,)
+        self.init_cache(
+          (*batch_size, max_length, self.in_features),
+          dtype=self.dtype or jnp.float32,
+        )
+
+  def _decode_step(self, query, key, value, mask):
+    """Appends one step to the cache and attends over it."""
+    if self.kv_cache is None:
       raise ValueError(
         "decode=True but the autoregressive cache is not initialised: call "
         "init_cache(input_shape) first"
       )
-    *batch_dims, max_length, num_kv_heads, head_dim = self.cached_key.shape
-    expected = (*batch_dims, 1, num_kv_heads, head_dim)
-    if key.shape != expected:
+    cache = self.kv_cache.get_value()
+    batch = query.shape[:-3]
+    flat = math.prod(batch)
+    expected = (*batch, 1, self.num_kv_heads, self.head_dim)
+    if key.shape != expected or flat != cache.keys.shape[0]:
       raise ValueError(
         f"decode feeds one token per call: key.shape={key.shape} must be "
-        f"{expected}"
+        f"{expected} with {cache.keys.shape[0]} sequences in the cache"
       )
-    index = self.cache_index[...]
-    zero = jnp.zeros((), index.dtype)
-    start = (zero,) * len(batch_dims) + (index, zero, zero)
-    key = jax.lax.dynamic_update_slice(
-      self.cached_key[...], key.astype(self.cached_key.dtype), start
-    )
-    value = jax.lax.dynamic_update_slice(
-      self.cached_value[...], value.astype(self.cached_value.dtype), start
-    )
-    self.cached_key[...] = key
-    self.cached_value[...] = value
-    self.cache_index[...] = index + 1
-    seen = jnp.broadcast_to(
-      jnp.arange(max_length) <= index, (*batch_dims, 1, 1, max_length)
-    )
-    mask = seen if mask is None else jnp.logical_and(mask != 0, seen)
-    return key, value, mask
+    query, key, value = (
+      jnp.reshape(a, (flat,) + a.shape[len(batch) :])
+      for a in (query, key, value)
+    )  # [b, 1, heads, head_dim]
+    if self.dtype is not None:
+      query = query.astype(self.dtype)
+    cache = kv_cache_update(cache, key, value)
+    self.kv_cache.set_value(cache)
+    if mask is None:
+      rng = None if self.search_rngs is None else self.search_rngs.search()
+      x, cert = decode_attention(
+        query,
+        cache,
+        policy=self.policy,
+        implementation=self.implementation,
+        key=rng,
+      )
+    else:
+      # decode_attention takes no mask: attend over the whole cache with
+      # the user's mask and the filled positions (one transpose per step).
+      mask = flatten_batch(jnp.asarray(mask) != 0, batch, 3)
+      pad = cache.max_len - mask.shape[-1]  # capacity rounded up to blocks
+      if pad > 0:
+        mask = jnp.pad(mask, ((0, 0),) * 3 + ((0, pad),))
+      filled = cache.valid()[:, :, None, :]  # [b, 1, 1, max_len]
+      x, cert = certified_attention(
+        query,
+        jnp.swapaxes(cache.keys, 1, 2),  # [b, max_len, kv_heads, d]
+        jnp.swapaxes(cache.values, 1, 2),
+        policy=self.policy,
+        mask=jnp.logical_and(mask, filled),
+        implementation=self.implementation,
+      )
+    x = jnp.reshape(x, (*batch, *x.shape[1:]))
+    cert = jax.tree.map(lambda a: jnp.reshape(a, (*batch, *a.shape[1:])), cert)
+    return x, cert

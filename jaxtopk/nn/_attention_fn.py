@@ -61,7 +61,7 @@ def check_implementation(implementation: Any) -> str | None:
   return implementation
 
 
-def _flatten_batch(x, batch_shape, ndim_tail):
+def flatten_batch(x, batch_shape, ndim_tail):
   """Broadcasts ``x`` to ``batch_shape + tail`` and merges the batch axes."""
   if x is None:
     return None
@@ -124,9 +124,9 @@ def certified_attention(
     mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
       mask = mask != 0
-  q, k, v = (_flatten_batch(x, batch_shape, 3) for x in (query, key, value))
-  mask = _flatten_batch(mask, batch_shape, 3)
-  bias = _flatten_batch(bias, batch_shape, 3)
+  q, k, v = (flatten_batch(x, batch_shape, 3) for x in (query, key, value))
+  mask = flatten_batch(mask, batch_shape, 3)
+  bias = flatten_batch(bias, batch_shape, 3)
   out, cert = _topk_attention(
     q,
     k,

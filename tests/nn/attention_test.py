@@ -165,6 +165,29 @@ class DecodeTest(parameterized.TestCase):
       **tol(dtype),
     )
 
+  def test_decode_with_padding_mask_matches_forward(self):
+    layer, _ = _pair(jaxtopk.FixedK(3))
+    x, _ = _inputs()
+    mask = _padding_mask(kv_len=Q_LEN)  # [batch, 1, 1, q_len]
+    full = layer(x, mask=mask, is_causal=True)
+    layer.init_cache(x.shape)
+    steps = [
+      layer(x[:, t : t + 1], mask=mask, decode=True) for t in range(Q_LEN)
+    ]
+    np.testing.assert_allclose(
+      jnp.concatenate(steps, axis=1), full, **tol(jnp.float32)
+    )
+
+  def test_nnx_view_allocates_cache(self):
+    layer, _ = _pair(jaxtopk.Dense())
+    x, _ = _inputs()
+    full = layer(x, is_causal=True)
+    decoder = nnx.view(layer, decode=True, batch_size=BATCH, max_length=Q_LEN)
+    steps = [decoder(x[:, t : t + 1]) for t in range(Q_LEN)]
+    np.testing.assert_allclose(
+      jnp.concatenate(steps, axis=1), full, **tol(jnp.float32)
+    )
+
 
 class ErrorTest(parameterized.TestCase):
   """Bad configuration fails at construction or first call, naming it."""

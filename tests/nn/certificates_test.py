@@ -179,6 +179,49 @@ class SoundnessTest(parameterized.TestCase):
     _check_model(self, model, x, mask, policy)
 
 
+class DecodeSoundnessTest(parameterized.TestCase):
+  """Step-by-step decode certificates (decode_attention over the KVCache)."""
+
+  @parameterized.named_parameters(
+    ("fixed_k", jaxtopk.FixedK(3)),
+    ("certified_delta", jaxtopk.Certified(0.05, search="delta", block_size=4)),
+    ("certified_mc", jaxtopk.Certified(0.05, search="mc", block_size=4)),
+  )
+  def test_decode_certificates_are_sound(self, policy):
+    layer = topk_nn.CertifiedTopKAttention(
+      num_heads=HEADS,
+      in_features=FEATURES,
+      num_kv_heads=KV_HEADS,
+      policy=policy,
+      decode=False,
+      rngs=nnx.Rngs(0),
+    )
+    x = 3.0 * normal((BATCH, SEQ, FEATURES))
+    # The same projections the decode steps compute, token by token.
+    q, k, v = layer.query(x), layer.key(x), layer.value(x)
+    layer.init_cache(x.shape)
+    for t in range(SEQ):
+      layer(x[:, t : t + 1], decode=True)
+      cert = layer.last_certificate.get_value()  # [batch, 1, heads]
+      self.assertTrue(bool(jnp.all(cert.valid)))
+      real = np.zeros((BATCH, HEADS, 1, SEQ), bool)
+      real[..., : t + 1] = True
+      logits, _ = _dense_truth(q[:, t : t + 1], k, v, real)
+      k_kept = np.asarray(cert.k_kept).transpose(0, 2, 1)  # [b, h, 1]
+      tau = _best_tail_mass(logits, k_kept).transpose(0, 2, 1)
+      bound = np.asarray(cert.tv_bound, np.float64)
+      mc = isinstance(policy, jaxtopk.Certified) and policy.search == "mc"
+      if mc:
+        # MC-Search holds with probability >= 1 - delta per row, so its
+        # bound is not compared with the truth row by row here.
+        self.assertEqual(cert.failure_prob, policy.delta)
+      else:
+        self.assertTrue(np.all(bound >= tau), f"step {t}: {tau - bound}")
+        self.assertTrue(np.all(np.asarray(cert.keys_scored) <= t + 1))
+      if isinstance(policy, jaxtopk.Certified):
+        self.assertLessEqual(float(bound.max()), policy.eps)
+
+
 class CollectTest(absltest.TestCase):
   def test_per_head_report(self):
     model = Model(jaxtopk.FixedK(3), rngs=nnx.Rngs(0))
