@@ -4,6 +4,7 @@ import os
 from unittest import mock
 
 import jax
+from absl import flags
 from absl.testing import absltest
 from absl.testing import parameterized
 from jax.sharding import PartitionSpec as P
@@ -56,6 +57,16 @@ class MakeMeshTest(parameterized.TestCase):
     q_spec, kv_spec = parallel.attention_specs(mesh)
     self.assertEqual(q_spec, P(None, None, None, None))
     self.assertEqual(kv_spec, P(None, None, None, None))
+
+
+class MeshFlagTest(absltest.TestCase):
+  def test_flag_feeds_mesh_from_flag(self):
+    fv = flags.FlagValues()
+    holder = parallel.define_mesh_flag(flag_values=fv)
+    fv(["prog", "--mesh=data=1,kv=-1"])
+    self.assertEqual(holder.value, "data=1,kv=-1")
+    mesh = parallel.mesh_from_flag(holder.value, devices=jax.devices()[:1])
+    self.assertEqual(mesh.axis_names, ("data", "kv"))
 
 
 class DistributedTest(absltest.TestCase):
