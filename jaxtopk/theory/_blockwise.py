@@ -235,7 +235,8 @@ def blockwise_log_bound_row(
   keep = jnp.asarray(keep, bool) & scored
   u = jnp.asarray(block_upper).astype(s.dtype)
   cnt = jnp.asarray(block_count)
-  has = cnt > 0
+  # A block whose bound is -inf provably holds no mass (NaN still counts).
+  has = (cnt > 0) & (u != -jnp.inf)
   # Unscored block b contributes |B_b| e^{u_b}: one term u_b + log|B_b|.
   ub = u + jnp.log(jnp.maximum(cnt, 1).astype(s.dtype))
   # Reference: the largest term of either kind; NaN / +inf propagate.
@@ -378,7 +379,9 @@ def blockwise_bound(
   the arguments.
 
   Returns:
-    ``[...]`` upper bound on tau in float32 (float64 for float64 input).
+    ``[...]`` upper bound on tau in float32 (float64 for float64 input); at
+    least the smallest normal number when positive (XLA flushes subnormals),
+    so use ``blockwise_log_bound`` for tiny tails.
   """
   return _rows.exp_up(
     blockwise_log_bound(

@@ -166,8 +166,10 @@ def single_gap_bound(
 
   Returns:
     ``[...]`` upper bound on tau in float32 (float64 for float64 input),
-    rounded up; 0 where every real key is kept; NaN for a row with no
-    distribution (no real key, or a NaN / +inf real logit).
+    rounded up (a positive bound is at least the smallest normal number, as
+    XLA flushes subnormals; see the log form); 0 where every real key is
+    kept; NaN for a row with no distribution (no real key, or a NaN / +inf
+    real logit).
 
   Raises:
     ValueError: for ``topk`` outside ``[1, n_keys]``, an unknown ``form``, or
@@ -275,7 +277,8 @@ def multi_gap_bound(
 
   Returns:
     ``[...]`` upper bound on tau in float32 (float64 for float64 input),
-    rounded up; NaN for a row with no distribution.
+    rounded up (at least the smallest normal number when positive); NaN
+    for a row with no distribution.
 
   Raises:
     ValueError: for ``topk`` outside ``[1, n_keys]``, boundaries that are not

@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 from hypothesis import given
@@ -121,6 +122,7 @@ class IdentityTest(parameterized.TestCase):
 
 
 class SoundnessTest(parameterized.TestCase):
+  @pytest.mark.slow
   @given(
     strategies.rows(max_abs=1e3),
     strategies.keeps(),
