@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtopk import theory
+from jaxtopk.nn._selectors import exact_topk_keep
 from jaxtopk.theory._tail import log_slack
 
 Selector = Any  # callable (logits, mask, rng) -> keep, or None for dense
@@ -126,7 +127,8 @@ def select_attend(q, k, v, mask, *, selector=None, rng=None, stats=False):
       bound on the dropped mass of the exact logits q.k * scale: log tau plus
       the reduction slack of ``jaxtopk.theory`` plus twice the float32 dot
       product error (d + 2) eps scale max_i sum_c |q_c k_ic|, tail up and head
-      down) and ``kept``.
+      down), ``kept`` and ``precision`` (THEORY 8.3: the fraction of the kept
+      keys that are among the exact top-``kept`` logits).
 
   Returns:
     ``[batch, heads, q_len, head_dim]`` in ``q.dtype``, and a dict of
@@ -153,7 +155,10 @@ def select_attend(q, k, v, mask, *, selector=None, rng=None, stats=False):
     dot_err = dot_err * (head_dim + 2) * jnp.finfo(jnp.float32).eps * scale
     log_tv = theory.log_tail_mass(logits, keep, mask)
     slack = log_slack(logits.shape[-1], jnp.float32) + 2.0 * dot_err * 1.01
+    kept = jnp.sum(keep, axis=-1)
+    top = exact_topk_keep(logits, mask, kept, logits.shape[-1])
     info = dict(
+      precision=jnp.sum(keep & top, axis=-1) / jnp.maximum(kept, 1),
       entropy=attention_entropy(logits, mask),
       tv=jnp.exp(log_tv),
       # exp of a log bound below ~-87 underflows float32 (CPU flushes
@@ -163,7 +168,7 @@ def select_attend(q, k, v, mask, *, selector=None, rng=None, stats=False):
         0.0,
         jnp.clip(jnp.exp(log_tv + slack), jnp.finfo(jnp.float32).tiny, 1.0),
       ),
-      kept=jnp.sum(keep, axis=-1),
+      kept=kept,
     )
   return out.astype(q.dtype), info
 
@@ -363,7 +368,8 @@ def decode_teacher_forced(
 
   THEORY 8.1: dense prefill, then one decode step per remaining position,
   feeding the true tokens (teacher forcing) and keeping ``selector``'s keys.
-  Wrap in ``nnx.jit`` with ``prompt_len``, ``selector`` and ``stats`` static.
+  The steps run in one ``jax.lax.scan`` (one compiled step body). Wrap in
+  ``nnx.jit`` with ``prompt_len``, ``selector`` and ``stats`` static.
 
   Args:
     model: the decoder.
@@ -375,19 +381,25 @@ def decode_teacher_forced(
 
   Returns:
     float32 logits ``[batch, seq_len - prompt_len, vocab]`` (the predictions
-    after each decoded position), and per step a list of per-layer dicts of
-    ``[batch, heads, 1]`` statistics.
+    after each decoded position), and a list (one per layer) of dicts of
+    ``[batch, heads, seq_len - prompt_len]`` statistics (empty unless
+    ``stats``).
   """
   seq_len = tokens.shape[1]
   if not 1 <= prompt_len < seq_len:
     raise ValueError(f"{prompt_len=} must be in [1, {seq_len=})")
   _, cache, _ = model.prefill(tokens[:, :prompt_len], seq_len)
-  logits, infos = [], []
-  for t in range(prompt_len, seq_len):
+
+  def step(cache, t):
     step_rng = None if rng is None else jax.random.fold_in(rng, t)
+    token = jax.lax.dynamic_index_in_dim(tokens, t, axis=1, keepdims=False)
     out, cache, info = model.decode_step(
-      tokens[:, t], cache, selector=selector, rng=step_rng, stats=stats
+      token, cache, selector=selector, rng=step_rng, stats=stats
     )
-    logits.append(out)
-    infos.append(info)
-  return jnp.stack(logits, axis=1), infos
+    return cache, (out, info)
+
+  _, (logits, infos) = jax.lax.scan(
+    step, cache, jnp.arange(prompt_len, seq_len)
+  )  # logits [steps, b, vocab]; infos leaves [steps, b, h, 1]
+  infos = jax.tree.map(lambda x: jnp.moveaxis(x[..., 0], 0, -1), infos)
+  return jnp.moveaxis(logits, 0, 1), infos

@@ -59,10 +59,12 @@ class DecoderTest(parameterized.TestCase):
     dense, _ = _decode(model, tokens, None)
     sparse, infos = _decode(model, tokens, nn.ExactTopK(0.2), stats=True)
     self.assertGreater(float(jnp.max(jnp.abs(dense - sparse))), 1e-3)
-    tv = infos[-1][0]["tv"]  # last step, first layer: [b, h, 1]
-    self.assertEqual(tv.shape, (BATCH, 3, 1))
+    tv = infos[0]["tv"]  # first layer: [b, h, steps]
+    self.assertEqual(tv.shape, (BATCH, 3, SEQ - PROMPT))
     self.assertTrue(bool(jnp.all((tv > 0) & (tv < 1))))
-    np.testing.assert_array_equal(infos[-1][0]["kept"], 3)  # ceil(0.2 * 11)
+    self.assertTrue(bool(jnp.all(infos[0]["tv_bound"] >= tv)))
+    np.testing.assert_array_equal(infos[0]["kept"][..., -1], 3)  # 0.2 * 11
+    np.testing.assert_array_equal(infos[1]["precision"], 1.0)
 
   def test_jit_forward_with_random_selector(self):
     model, tokens = _model_and_tokens()
