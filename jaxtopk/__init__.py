@@ -5,6 +5,7 @@ a certificate bounding the softmax mass (total variation) it dropped.
 """
 
 from jaxtopk import theory
+from jaxtopk.attention import topk_attention
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Certified
 from jaxtopk.selection import Dense
@@ -12,5 +13,7 @@ from jaxtopk.selection import FixedK
 from jaxtopk.selection import Policy
 from jaxtopk.selection import PowerLaw
 from jaxtopk.selection import Ratio
+from jaxtopk.selection import Selection
+from jaxtopk.selection import select
 
 __version__ = "0.1.0"

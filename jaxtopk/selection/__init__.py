@@ -7,3 +7,7 @@ from jaxtopk.selection._policies import FixedK
 from jaxtopk.selection._policies import Policy
 from jaxtopk.selection._policies import PowerLaw
 from jaxtopk.selection._policies import Ratio
+from jaxtopk.selection._select import Selection
+from jaxtopk.selection._select import select
+from jaxtopk.selection._threshold import budget_mask
+from jaxtopk.selection._threshold import topk_mask
