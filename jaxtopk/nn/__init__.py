@@ -16,6 +16,14 @@ from jaxtopk.nn._pooling import sentence_embedding
 from jaxtopk.nn._real_text import REAL_TEXT_FILES
 from jaxtopk.nn._real_text import real_text_passages
 
+from jaxtopk.nn._attention import CertificateVariable
+from jaxtopk.nn._attention import CertifiedTopKAttention
+from jaxtopk.nn._attention_fn import certified_attention
+from jaxtopk.nn._attention_fn import topk_attention_fn
+from jaxtopk.nn._certificates import collect_certificates
+from jaxtopk.nn._certificates import per_head_report
+from jaxtopk.nn._linen import topk_attention_linen
+
 # Native Top-k decoder and selectors (issue 7).
 from jaxtopk.nn._decoder import DecodeCache
 from jaxtopk.nn._decoder import DecoderConfig
