@@ -45,6 +45,7 @@ from absl import logging
 from flax import nnx
 from ml_collections import config_flags
 
+import jaxtopk
 from jaxtopk import nn
 from jaxtopk import tasks
 
@@ -67,29 +68,51 @@ def _vocab(config) -> tasks.Vocab:
   return tasks.Vocab(**config.vocab.to_dict())
 
 
-def make_task(config, name, seed, batch_size, depth=None):
+def make_task(config, name, seed, batch_size, depth=None, seq_len=None):
   """One task's :class:`jaxtopk.tasks.RetrievalBatch`."""
   common = dict(
-    batch_size=batch_size, seq_len=config.seq_len, vocab=_vocab(config)
+    batch_size=batch_size,
+    seq_len=seq_len or config.seq_len,
+    vocab=_vocab(config),
   )
   if name == "recall":
     return tasks.associative_recall(seed, **common)
   if name == "lookup":
-    return tasks.multi_key_lookup(
-      seed, num_queries=config.train.lookup_queries, **common
-    )
+    queries = min(config.train.lookup_queries, (common["seq_len"] - 1) // 4)
+    return tasks.multi_key_lookup(seed, num_queries=queries, **common)
   if name == "needle":
     return tasks.needle_in_haystack(seed, depth=depth, **common)
   raise ValueError(f"unknown task {name=}")
 
 
+def train_seq_len(config, phase: str, step: int) -> int:
+  """Context length of a training step: the base run's curriculum, else full.
+
+  The model has no position embedding, so it runs at any length; the base
+  run starts short because retrieval is learned far faster there (attention
+  is uniform over all keys at initialisation, so the signal falls with
+  length), then grows to ``config.seq_len``.
+  """
+  seq_len = config.seq_len
+  if phase == "base":
+    for start, length in config.train.curriculum:
+      if step >= start:
+        seq_len = min(length, config.seq_len)
+  return seq_len
+
+
 def train_batch(config, phase: str, step: int):
   """(inputs, targets, weights) mixing the three tasks; pure in its args."""
+  seq_len = train_seq_len(config, phase, step)
   sizes = np.full(len(TASKS), config.train.batch_size // len(TASKS))
   sizes[0] += config.train.batch_size - sizes.sum()
   parts = [
     make_task(
-      config, name, (config.seed, PHASES.index(phase), step, i), int(size)
+      config,
+      name,
+      (config.seed, PHASES.index(phase), step, i),
+      int(size),
+      seq_len=seq_len,
     )
     for i, (name, size) in enumerate(zip(TASKS, sizes, strict=True))
   ]
@@ -231,7 +254,7 @@ def train_phase(config, workdir, phase, metrics, should_stop):
   """Runs (or resumes) one training phase; returns (model, finished)."""
   t = config.train
   steps = t.base_steps if phase == "base" else t.finetune_steps
-  selector = nn.ExactTopK(t.train_rho) if phase == "topk" else None
+  selector = jaxtopk.Ratio(t.train_rho) if phase == "topk" else None
   model = _model(config, config.seed)
   optimizer = _optimizer(model, config, phase)
   manager = _manager(workdir, phase)
@@ -316,7 +339,7 @@ def sweep_selectors(config):
   """[(sweep, parameter, selector)] decoded for each model and task."""
   e = config.eval
   out = [("dense", None, None)]
-  out += [("ratio", r, nn.ExactTopK(r)) for r in e.rhos]
+  out += [("ratio", r, jaxtopk.Ratio(r)) for r in e.rhos]
   out += [("mixed", p, nn.MixedTopK(e.fidelity_rho, p)) for p in e.precisions]
   out += [
     ("approx_emulated", r, nn.ApproxMaxK(e.fidelity_rho, r))
@@ -327,7 +350,7 @@ def sweep_selectors(config):
       ("approx_xla", r, nn.ApproxMaxK(e.fidelity_rho, r, emulate=False))
       for r in e.recall_targets
     ]
-  out += [("certified", eps, nn.CertifiedTopP(eps)) for eps in e.eps]
+  out += [("certified", eps, jaxtopk.Certified(eps)) for eps in e.eps]
   return out
 
 

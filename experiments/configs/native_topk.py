@@ -36,10 +36,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # Training. Protocol of THEORY 8.2: a dense base model, then two
   # fine-tunes from it with the same budget, one dense and one with Top-k
-  # attention (ExactTopK(train_rho)) in the forward pass.
+  # attention (jaxtopk.Ratio(train_rho)) in the forward pass.
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 24  # rows per step, split evenly over the 3 tasks
-  c.train.base_steps = 400  # dense pre-training steps
+  c.train.base_steps = 600  # dense pre-training steps
   c.train.finetune_steps = 150  # steps of EACH fine-tune (same budget)
   c.train.train_rho = 1 / 16  # kept fraction in the Top-k fine-tune
   c.train.learning_rate = 3e-3  # AdamW peak learning rate (cosine decay)
@@ -50,6 +50,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 25  # steps between orbax checkpoints
   c.train.log_every = 10  # steps between metrics.jsonl lines
   c.train.lookup_queries = 4  # queried keys per multi-key lookup row
+  # Base-run length curriculum: (first step, context length) pairs; lengths
+  # are capped at seq_len and the fine-tunes always use seq_len.
+  c.train.curriculum = ((0, 16), (150, 32), (250, 64), (350, 128), (450, 256))
 
   # Evaluation (prefill dense, decode the answer positions with a selector).
   c.eval = ml_collections.ConfigDict()
@@ -72,7 +75,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.precisions = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # MixedTopK
   c.eval.recall_targets = (0.3, 0.5, 0.7, 0.9, 0.95)  # ApproxMaxK
   c.eval.approx_xla = True  # also sweep jax.lax.approx_max_k itself
-  c.eval.eps = (0.5, 0.3, 0.1, 0.03, 0.01, 0.001)  # CertifiedTopP budgets
+  c.eval.eps = (0.5, 0.3, 0.1, 0.03, 0.01, 0.001)  # jaxtopk.Certified budgets
 
   if arg == "smoke":
     c.seq_len = 64
@@ -92,6 +95,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 10
     c.train.log_every = 5
     c.train.lookup_queries = 2
+    c.train.curriculum = ((0, 16), (20, 64))
     c.eval.num_examples = 12
     c.eval.batch_size = 12
     c.eval.needle_depths = (0.0, 1.0)

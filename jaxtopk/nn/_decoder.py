@@ -4,9 +4,10 @@ THEORY 8 ([NATIVE]): the same model runs dense or with Top-k attention in the
 training forward pass (8.2: the gradient flows through the softmax over the
 kept keys; the selection itself is piecewise constant) and decodes from a KV
 cache with any selector (8.1, 8.3). Which keys each query keeps is chosen by a
-*selector* passed at call time (``jaxtopk.nn.ExactTopK`` and friends, or None
-for dense), so one set of weights can be swept over ratios and precisions
-without rebuilding the module.
+*selector* passed at call time (a jaxtopk policy such as ``jaxtopk.Ratio``,
+run through ``jaxtopk.select``; a custom selector such as
+``jaxtopk.nn.MixedTopK``; or None for dense), so one set of weights can be
+swept over ratios and precisions without rebuilding the module.
 
 Architecture: token embedding plus a learned projection of the previous
 token's embedding ("token shift", as in RWKV and the smeared-key model of
@@ -30,11 +31,30 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import jaxtopk
 from jaxtopk import theory
+from jaxtopk.nn._attention import CertifiedTopKAttention
 from jaxtopk.nn._selectors import exact_topk_keep
-from jaxtopk.theory._tail import log_slack
+from jaxtopk.theory._rows import log_slack
 
-Selector = Any  # callable (logits, mask, rng) -> keep, or None for dense
+# A jaxtopk policy (run by jaxtopk.select), a callable (logits, mask, rng) ->
+# keep such as jaxtopk.nn.MixedTopK, or None for dense.
+Selector = Any
+
+
+def keep_set(selector, logits, mask, rng=None) -> jax.Array:
+  """The bool kept set ``[..., n_keys]`` of ``selector`` on ``logits``.
+
+  A ``jaxtopk.Policy`` goes through ``jaxtopk.select`` (so ``Ratio(rho)`` is
+  the library's exact Top-k and ``Certified(eps)`` its certified search);
+  any other callable is called as ``selector(logits, mask, rng)``; None
+  keeps every real key.
+  """
+  if selector is None:
+    return mask
+  if isinstance(selector, jaxtopk.Policy):
+    return jaxtopk.select(logits, selector, mask=mask).keep
+  return selector(logits, mask, rng)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,15 +110,6 @@ class DecodeCache:
   last_token: jax.Array
 
 
-def attention_entropy(logits, mask) -> jax.Array:
-  """H(P) = -sum_i P_i log P_i of the dense softmax (THEORY 8.4), ``[...]``."""
-  top = jnp.max(logits, axis=-1, where=mask, initial=-jnp.inf, keepdims=True)
-  z = jnp.where(mask, logits - top, 0.0)
-  log_norm = jnp.log(jnp.sum(jnp.where(mask, jnp.exp(z), 0.0), -1))
-  log_p = z - log_norm[..., None]
-  return -jnp.sum(jnp.where(mask, jnp.exp(log_p) * log_p, 0.0), axis=-1)
-
-
 def truncated_softmax(logits, keep) -> jax.Array:
   """Softmax over the kept keys, exactly 0 elsewhere (THEORY 1, P_hat).
 
@@ -140,7 +151,7 @@ def select_attend(q, k, v, mask, *, selector=None, rng=None, stats=False):
   )  # [b, h, q, s]
   logits = logits * scale
   mask = jnp.broadcast_to(mask, logits.shape)
-  keep = mask if selector is None else selector(logits, mask, rng)
+  keep = keep_set(selector, logits, mask, rng)
   probs = truncated_softmax(logits, keep)
   out = jnp.einsum("bhqs,bhsd->bhqd", probs, v.astype(jnp.float32))
   info = {}
@@ -159,7 +170,7 @@ def select_attend(q, k, v, mask, *, selector=None, rng=None, stats=False):
     top = exact_topk_keep(logits, mask, kept, logits.shape[-1])
     info = dict(
       precision=jnp.sum(keep & top, axis=-1) / jnp.maximum(kept, 1),
-      entropy=attention_entropy(logits, mask),
+      entropy=theory.attention_entropy(logits, mask),
       tv=jnp.exp(log_tv),
       # exp of a log bound below ~-87 underflows float32 (CPU flushes
       # subnormals); a non-empty tail then reports the smallest normal.
@@ -174,28 +185,55 @@ def select_attend(q, k, v, mask, *, selector=None, rng=None, stats=False):
 
 
 class _Block(nnx.Module):
-  """Pre-norm transformer block with selectable causal self-attention."""
+  """Pre-norm transformer block around a CertifiedTopKAttention layer.
+
+  The attention parameters live in ``self.attn``, a
+  ``jaxtopk.nn.CertifiedTopKAttention`` (so they load into and from any
+  nnx.MultiHeadAttention); the block reuses its projections with its own
+  head-major KV cache and selector hook (``select_attend``), which
+  ``CertifiedTopKAttention`` does not offer for custom selectors.
+  ``library_attention`` runs the layer itself, for cross-checks.
+  """
 
   def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
     dim, heads = config.model_dim, config.num_heads
-    self.num_heads = heads
     self.attn_norm = nnx.RMSNorm(dim, rngs=rngs)
-    self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, rngs=rngs)
-    self.out = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+    self.attn = CertifiedTopKAttention(
+      heads,
+      dim,
+      policy=jaxtopk.Dense(),
+      decode=False,
+      use_bias=False,
+      rngs=rngs,
+    )
     self.mlp_norm = nnx.RMSNorm(dim, rngs=rngs)
     self.up = nnx.Linear(dim, config.mlp_dim, rngs=rngs)
     self.down = nnx.Linear(config.mlp_dim, dim, rngs=rngs)
 
   def _qkv(self, x):
-    b, s, dim = x.shape
-    qkv = self.qkv(self.attn_norm(x)).reshape(b, s, 3, self.num_heads, -1)
-    qkv = qkv.transpose(2, 0, 3, 1, 4)  # [3, b, h, s, d]
-    return qkv[0], qkv[1], qkv[2]
+    h = self.attn_norm(x)
+    heads = [
+      proj(h).transpose(0, 2, 1, 3)  # [b, h, s, d]
+      for proj in (self.attn.query, self.attn.key, self.attn.value)
+    ]
+    return tuple(heads)
 
   def _finish(self, x, attn):
-    b, h, s, d = attn.shape
-    x = x + self.out(attn.transpose(0, 2, 1, 3).reshape(b, s, h * d))
+    x = x + self.attn.out(attn.transpose(0, 2, 1, 3))  # [b, s, dim]
     return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+
+  def library_attention(self, x, policy):
+    """The attention sublayer output through ``CertifiedTopKAttention``."""
+    self.attn.policy = policy
+    return self.attn(self.attn_norm(x), is_causal=True)
+
+  def my_attention(self, x, selector=None):
+    """The same sublayer output through ``select_attend``."""
+    q, k, v = self._qkv(x)
+    s = x.shape[1]
+    causal = jnp.tril(jnp.ones((s, s), bool))[None, None]  # [1, 1, s, s]
+    attn, _ = select_attend(q, k, v, causal, selector=selector)
+    return self.attn.out(attn.transpose(0, 2, 1, 3))
 
   def __call__(self, x, *, selector, rng, stats):
     """Causal self-attention over ``x`` ``[b, s, dim]``; also returns k, v."""
@@ -234,10 +272,11 @@ class TopKDecoder(nnx.Module):
   Example:
     >>> from flax import nnx
     >>> import jax.numpy as jnp
-    >>> from jaxtopk.nn import DecoderConfig, ExactTopK, TopKDecoder
+    >>> import jaxtopk
+    >>> from jaxtopk.nn import DecoderConfig, TopKDecoder
     >>> model = TopKDecoder(DecoderConfig(vocab_size=11), rngs=nnx.Rngs(0))
     >>> tokens = jnp.zeros((3, 7), jnp.int32)
-    >>> logits, _ = model(tokens, selector=ExactTopK(0.5))
+    >>> logits, _ = model(tokens, selector=jaxtopk.Ratio(0.5))
     >>> logits.shape
     (3, 7, 11)
   """

@@ -10,7 +10,7 @@ beyond the library's policies (THEORY 8.3): an approximate Top-k of a chosen
 precision, and jax.lax.approx_max_k. ``None`` means dense (keep = mask).
 
 - :class:`ExactTopK` keeps ``ceil(rho * n)`` largest logits of each row, ``n``
-  = the row's real keys (THEORY 8.1; the same count as ``jaxtopk.Ratio``).
+  = the row's real keys (THEORY 8.1; the same set as ``jaxtopk.Ratio``).
 - :class:`MixedTopK` keeps the same budget, but only ``round(precision *
   budget)`` of it from the exact top set and the rest uniformly from the
   other real keys (THEORY 8.3: precision p = |K_approx cap K_top| / |K_top|).
@@ -22,9 +22,11 @@ precision, and jax.lax.approx_max_k. ``None`` means dense (keep = mask).
   ``L = 2**ceil(log2((budget - 1) / (1 - recall_target)))`` (the bin count
   XLA derives from the recall target, without TPU's 128-bin floor, which
   would make it exact at the context lengths a CPU trains).
-- :class:`CertifiedTopP` keeps the fewest largest logits whose dropped mass is
-  <= eps (THEORY 6.1, exact search); its certificate comes from
-  ``jaxtopk.theory.tail_mass``.
+
+Exact Top-k and certified sets come from the library's policies through
+``jaxtopk.select`` (``Ratio(rho)``, ``Certified(eps)``); ``ExactTopK`` keeps
+the same set as ``Ratio(rho)`` (tested) with one ``lax.top_k`` and is the
+building block of the approximate selectors.
 
 Ties among logits are broken by ``jax.lax.top_k`` (the lower index first).
 """
@@ -213,43 +215,6 @@ class ApproxMaxK:
       _, bin_idx = jax.lax.top_k(best, max_topk)  # [..., topk]
       idx = jnp.take_along_axis(best_row, bin_idx, axis=-1) * bins + bin_idx
     return keep_first(idx, num_kept(mask, self.rho), n_keys) & mask
-
-
-@dataclasses.dataclass(frozen=True)
-class CertifiedTopP:
-  """Fewest largest logits whose dropped softmax mass is <= eps.
-
-  THEORY 6.1 (exact certified Top-k, equivalently top-p with p = 1 - eps).
-  The count is found from suffix sums of the sorted probabilities (no
-  subtraction); the sound certificate of the result is
-  ``jaxtopk.theory.tail_mass(logits, keep, mask)``, which the experiments
-  report beside it.
-
-  Attributes:
-    eps: TV budget in (0, 1).
-  """
-
-  eps: float
-
-  def __post_init__(self):
-    e = self.eps
-    if not (isinstance(e, int | float) and 0.0 < e < 1.0):
-      raise ValueError(f"eps={e!r} must be in (0, 1)")
-
-  def __call__(self, logits, mask, rng=None) -> jax.Array:
-    """Bool ``[..., n_keys]`` kept set; ``rng`` is unused."""
-    del rng
-    n_keys = logits.shape[-1]
-    ranking = _ranking(logits, mask)
-    values, idx = jax.lax.top_k(ranking, n_keys)  # sorted, [..., n]
-    valid = jnp.take_along_axis(mask, idx, axis=-1)
-    top = jnp.max(ranking, axis=-1, keepdims=True)
-    probs = jnp.where(valid, jnp.exp(jnp.where(valid, values - top, 0.0)), 0)
-    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    suffix = jnp.flip(jnp.cumsum(jnp.flip(probs, -1), axis=-1), -1)
-    count = jnp.sum(valid & (suffix > self.eps), axis=-1, dtype=jnp.int32)
-    count = jnp.maximum(count, jnp.minimum(1, jnp.sum(mask, axis=-1)))
-    return keep_first(idx, count, n_keys) & mask
 
 
 def selection_precision(keep, logits, mask, rho: float) -> jax.Array:

@@ -12,6 +12,7 @@ from absl.testing import parameterized
 from flax import nnx
 from jax import test_util as jtu
 
+import jaxtopk
 from jaxtopk import nn
 from jaxtopk.nn import _decoder
 from tests.tolerances import tol
@@ -48,7 +49,7 @@ class DecoderTest(parameterized.TestCase):
   @parameterized.named_parameters(("dense", None), ("rho_one", "rho_one"))
   def test_decode_matches_forward(self, selector):
     model, tokens = _model_and_tokens()
-    selector = nn.ExactTopK(1.0) if selector else None
+    selector = jaxtopk.Ratio(1.0) if selector else None
     full = _forward(model, tokens)
     self.assertEqual(full.shape, (BATCH, SEQ, 13))
     decoded, _ = _decode(model, tokens, selector)
@@ -57,7 +58,7 @@ class DecoderTest(parameterized.TestCase):
   def test_topk_decode_changes_output_and_reports_tv(self):
     model, tokens = _model_and_tokens()
     dense, _ = _decode(model, tokens, None)
-    sparse, infos = _decode(model, tokens, nn.ExactTopK(0.2), stats=True)
+    sparse, infos = _decode(model, tokens, jaxtopk.Ratio(0.2), stats=True)
     self.assertGreater(float(jnp.max(jnp.abs(dense - sparse))), 1e-3)
     tv = infos[0]["tv"]  # first layer: [b, h, steps]
     self.assertEqual(tv.shape, (BATCH, 3, SEQ - PROMPT))
@@ -84,7 +85,7 @@ class DecoderTest(parameterized.TestCase):
     model, tokens = _model_and_tokens()
 
     def loss(model):
-      logits, _ = model(tokens, selector=nn.ExactTopK(0.3))
+      logits, _ = model(tokens, selector=jaxtopk.Ratio(0.3))
       return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
 
     grads = nnx.jit(nnx.grad(loss))(model)
@@ -103,15 +104,35 @@ class DecoderTest(parameterized.TestCase):
       f, (logits.astype(jnp.float64),), order=1, modes=["rev"], atol=1e-2
     )
 
-  def test_entropy_matches_numpy(self):
-    logits = jax.random.normal(jax.random.key(4), (5, 11))
-    mask = jnp.arange(11)[None] < jnp.array([[11], [7], [5], [3], [1]])
-    got = _decoder.attention_entropy(logits, mask)
-    for row in range(5):
-      x = np.asarray(logits[row], np.float64)[np.asarray(mask[row])]
-      p = np.exp(x - x.max())
-      p /= p.sum()
-      np.testing.assert_allclose(got[row], -np.sum(p * np.log(p)), atol=1e-5)
+  def test_block_uses_certified_topk_attention(self):
+    model, _ = _model_and_tokens()
+    block = model.blocks[0]
+    self.assertIsInstance(block.attn, nn.CertifiedTopKAttention)
+    x = jax.random.normal(jax.random.key(5), (BATCH, SEQ, 21))
+    np.testing.assert_allclose(
+      block.my_attention(x),
+      block.library_attention(x, jaxtopk.Dense()),
+      **tol(jnp.float32),
+    )
+
+  @parameterized.parameters(
+    (jaxtopk.Ratio(0.3),), (jaxtopk.Certified(0.1),), (jaxtopk.Ratio(1.0),)
+  )
+  def test_select_attend_matches_library_topk_attention(self, policy):
+    q, k, v = (
+      jax.random.normal(jax.random.key(i), (BATCH, 3, SEQ, 7)) for i in range(3)
+    )
+    causal = jnp.tril(jnp.ones((SEQ, SEQ), bool))[None, None]
+    got, _ = _decoder.select_attend(q, k, v, causal, selector=policy)
+    heads_last = lambda x: x.transpose(0, 2, 1, 3)  # [b, s, h, d]
+    want, _ = jaxtopk.topk_attention(
+      heads_last(q),
+      heads_last(k),
+      heads_last(v),
+      policy=policy,
+      is_causal=True,
+    )
+    np.testing.assert_allclose(heads_last(got), want, **tol(jnp.float32))
 
   def test_errors(self):
     model, tokens = _model_and_tokens()

@@ -8,8 +8,8 @@ import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
 
+import jaxtopk
 from jaxtopk import nn
-from jaxtopk import theory
 from jaxtopk.nn import _selectors
 
 N_KEYS = 13
@@ -103,26 +103,12 @@ class ApproxMaxKTest(parameterized.TestCase):
     self.assertEqual(_selectors.approx_bins(256, 1, 0.5), 256)
 
 
-class CertifiedTopPTest(parameterized.TestCase):
-  @parameterized.parameters(0.01, 0.1, 0.5)
-  def test_minimal_certified_set(self, eps):
+class LibraryAgreementTest(parameterized.TestCase):
+  @parameterized.parameters(0.1, 0.3, 1.0)
+  def test_exact_topk_is_library_ratio(self, rho):
     logits, mask = _inputs()
-    keep = nn.CertifiedTopP(eps)(logits, mask)
-    tv = np.asarray(theory.tail_mass(logits, keep, mask))
-    lg = np.asarray(logits, np.float64)
-    for b in range(5):
-      for h in range(3):
-        row = lg[b, h, : LENGTHS[b]]
-        p = np.exp(row - row.max())
-        p /= p.sum()
-        kept = np.asarray(keep[b, h, : LENGTHS[b]])
-        tau = p[~kept].sum()
-        self.assertLessEqual(tau, eps + 1e-6)
-        np.testing.assert_allclose(tv[b, h], tau, rtol=1e-5, atol=1e-7)
-        count = kept.sum()
-        if count > 1:  # one fewer key would exceed the budget
-          self.assertGreater(np.sort(p)[: len(p) - count + 1].sum(), eps - 1e-6)
-        self.assertTrue(np.all(p[kept].min() >= p[~kept].max(initial=0)))
+    want = jaxtopk.select(logits, jaxtopk.Ratio(rho), mask=mask).keep
+    np.testing.assert_array_equal(nn.ExactTopK(rho)(logits, mask), want)
 
 
 class ErrorsTest(absltest.TestCase):
@@ -133,8 +119,6 @@ class ErrorsTest(absltest.TestCase):
       nn.MixedTopK(0.5, 1.5)
     with self.assertRaisesRegex(ValueError, "recall_target=1.0"):
       nn.ApproxMaxK(0.5, 1.0)
-    with self.assertRaisesRegex(ValueError, "eps=0"):
-      nn.CertifiedTopP(0)
 
   def test_num_kept(self):
     mask = jnp.arange(N_KEYS)[None] < jnp.asarray(LENGTHS)[:, None]
