@@ -57,7 +57,6 @@ class NativeTopkSmokeTest(absltest.TestCase):
   def test_interrupted_training_resumes_exactly(self):
     config = native_topk_config.get_config("smoke")
     with config.unlocked():
-      config.train.base_steps = 9
       config.train.checkpoint_every = 100  # only the stop saves mid-run
     straight = self._tmp()
     resumed = self._tmp()
