@@ -1,6 +1,7 @@
 """Which keys are kept: policies, certified search, certificates."""
 
 from jaxtopk.selection._certificate import Certificate
+from jaxtopk.selection._certified import certified_search
 from jaxtopk.selection._policies import Certified
 from jaxtopk.selection._policies import Dense
 from jaxtopk.selection._policies import FixedK
