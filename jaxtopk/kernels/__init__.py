@@ -8,6 +8,15 @@ from jaxtopk.kernels._block_stats import BlockSizes as BlockStatsSizes
 from jaxtopk.kernels._block_stats import BlockStats
 from jaxtopk.kernels._block_stats import block_stats
 from jaxtopk.kernels._block_stats import block_stats_reference
+from jaxtopk.kernels._block_stats import (
+  visible_mask as sparse_flash_visible_mask,
+)
+from jaxtopk.kernels._certify import block_value_norms
+from jaxtopk.kernels._decode import BlockSizes as DecodeSizes
+from jaxtopk.kernels._decode import certified_decode
+from jaxtopk.kernels._decode import certified_decode_reference
+from jaxtopk.kernels._prefill import certified_sparse_attention
+from jaxtopk.kernels._prefill import prefill_certificate
 from jaxtopk.kernels._select import BlockSelection
 from jaxtopk.kernels._select import per_query_kept
 from jaxtopk.kernels._select import select_blocks

@@ -197,6 +197,7 @@ def visible_mask(b, nq, nk, mask=None, is_causal=False) -> jax.Array:
   return vis
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "block_k"))
 def block_stats_reference(
   query, key, *, mask=None, scale=None, is_causal=False, block_k: int = 128
 ) -> BlockStats:

@@ -11,6 +11,7 @@ dropped, which may exceed eps.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ class BlockSelection:
   kept: jax.Array
 
 
+@functools.partial(jax.jit, static_argnames=("eps",))
 def per_query_kept(lse, *, eps: float) -> jax.Array:
   """``[..., n_blocks]`` bool: fewest blocks by mass with dropped <= eps.
 
@@ -55,7 +57,6 @@ def per_query_kept(lse, *, eps: float) -> jax.Array:
   srt = jnp.take_along_axis(share, order, axis=-1)  # descending
   # suffix[j] = log of the mass of sorted blocks j.. (the tail if j dropped).
   suffix = jnp.flip(jnp.logaddexp.accumulate(jnp.flip(srt, -1), axis=-1), -1)
-  nb = lse.shape[-1]
   after = jnp.concatenate(
     [suffix[..., 1:], jnp.full_like(suffix[..., :1], -jnp.inf)], axis=-1
   )  # log mass dropped if sorted blocks 0..j are kept
@@ -64,10 +65,10 @@ def per_query_kept(lse, *, eps: float) -> jax.Array:
   n_keep = jnp.argmax(ok, axis=-1) + 1  # first j that satisfies the budget
   n_keep = jnp.where(jnp.isfinite(srt[..., 0]), n_keep, 0)
   rank = jnp.argsort(order, axis=-1)
-  del nb
   return (rank < n_keep[..., None]) & jnp.isfinite(lse)
 
 
+@functools.partial(jax.jit, static_argnames=("eps", "block_q", "max_blocks"))
 def select_blocks(
   lse, *, eps: float, block_q: int, max_blocks: int | None = None
 ) -> BlockSelection:

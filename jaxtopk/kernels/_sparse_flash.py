@@ -245,6 +245,9 @@ def _forward(q, k, v, block_idx, block_count, mask, cfg):
   return o, lse
 
 
+@functools.partial(
+  jax.jit, static_argnames=("q_len", "kv_len", "block_q", "block_k")
+)
 def kept_key_mask(block_idx, block_count, *, q_len, kv_len, block_q, block_k):
   """``[b, h, q_len, kv_len]`` bool: key lies in a block kept for its tile."""
   b, h, nqt, max_kept = block_idx.shape
@@ -257,6 +260,10 @@ def kept_key_mask(block_idx, block_count, *, q_len, kv_len, block_q, block_k):
   return kept[:, :, :q_len, :kv_len]
 
 
+@functools.partial(
+  jax.jit,
+  static_argnames=("scale", "is_causal", "block_q", "block_k"),
+)
 def sparse_flash_attention_reference(
   query,
   key,

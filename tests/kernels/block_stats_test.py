@@ -10,16 +10,21 @@ from absl.testing import parameterized
 from jaxtopk import kernels
 from tests.kernels import base
 
+# (name, backend, dtype, causal): each grid style with each dtype and mask.
+_CASES = [
+  ("tpu_f32_causal", "tpu", jnp.float32, True),
+  ("tpu_bf16_padded", "tpu", jnp.bfloat16, False),
+  ("gpu_f32_padded", "gpu", jnp.float32, False),
+  ("gpu_bf16_causal", "gpu", jnp.bfloat16, True),
+]
+
 
 class BlockStatsTest(base.KernelTestCase):
-  @parameterized.product(
-    backend=["tpu", "gpu"],
-    dtype=[jnp.float32, jnp.bfloat16],
-    causal=[False, True],
-  )
+  @parameterized.named_parameters(*_CASES)
   def test_matches_reference(self, backend, dtype, causal):
-    # n_keys = 101 is not a multiple of block_k = 32 (ragged last block);
-    # q_len = 37 is not a multiple of block_q = 16; GQA 6 heads / 3 kv heads.
+    # kv_len = 101 is not a multiple of block_k = 32 (ragged last block);
+    # q_len = 37 is not a multiple of block_q = 16; GQA 6 heads / 3 kv heads;
+    # a random padding mask on top.
     q, k, _, mask = self.inputs(2, 6, 3, 37, 101, 8, 5, dtype)
     st = kernels.block_stats(
       q,
@@ -37,20 +42,17 @@ class BlockStatsTest(base.KernelTestCase):
     np.testing.assert_array_equal(st.count, ref.count)
     base.finite_close(self, st.lse, ref.lse, atol=2e-5, rtol=2e-5)
     base.finite_close(self, st.max_logit, ref.max_logit, atol=2e-5, rtol=2e-5)
-
-  def test_block_masses_sum_to_row_mass(self):
-    q, k, _, mask = self.inputs(1, 3, 3, 13, 70, 8, 5, jnp.float32)
-    st = kernels.block_stats(
-      q,
-      k,
-      mask=mask,
-      block_sizes=kernels.BlockStatsSizes(8, 16),
-      interpret=self.INTERPRET,
+    # The block masses add up to the row's mass (float64 oracle).
+    qn = np.asarray(q, np.float64)
+    kn = np.repeat(np.asarray(k, np.float64), 2, axis=1)
+    s = np.einsum("bhqd,bhkd->bhqk", qn, kn) / np.sqrt(8)
+    vis = np.asarray(
+      kernels.sparse_flash_visible_mask(2, 37, 101, mask, causal)
     )
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 8**-0.5
-    want = jax.nn.logsumexp(s, axis=-1, where=mask[:, None, None, :])
-    got = jax.nn.logsumexp(st.lse, axis=-1)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    s = np.where(vis, s, -np.inf)
+    row = scipy.special.logsumexp(s, axis=-1)
+    got = scipy.special.logsumexp(np.asarray(st.lse, np.float64), axis=-1)
+    np.testing.assert_allclose(got, row, atol=1e-5, rtol=1e-5)
 
 
 class SelectBlocksTest(parameterized.TestCase):
@@ -58,9 +60,8 @@ class SelectBlocksTest(parameterized.TestCase):
   def test_dropped_mass_within_budget_and_minimal(self, eps):
     lse = 3.0 * jax.random.normal(jax.random.key(0), (2, 3, 11, 7))
     lse = lse.at[0, 0, 0, 2].set(-jnp.inf)  # an empty block
-    keep = kernels.per_query_kept(lse, eps=eps)
+    keep = np.asarray(kernels.per_query_kept(lse, eps=eps))
     p = scipy.special.softmax(np.asarray(lse, np.float64), axis=-1)
-    keep = np.asarray(keep)
     dropped = np.sum(np.where(keep, 0.0, p), axis=-1)
     self.assertTrue(np.all(dropped <= eps * (1 + 1e-5) + 1e-7))
     self.assertFalse(keep[0, 0, 0, 2])
@@ -90,9 +91,13 @@ class SelectBlocksTest(parameterized.TestCase):
     self.assertEqual(sel.block_idx.shape[-1], 3)
     self.assertTrue(bool(jnp.all(sel.block_count == 3)))
 
-  def test_bad_eps(self):
+  def test_bad_arguments(self):
     with self.assertRaisesRegex(ValueError, "eps=1.5"):
       kernels.per_query_kept(jnp.zeros((3,)), eps=1.5)
+    with self.assertRaisesRegex(ValueError, "max_blocks=0"):
+      kernels.select_blocks(
+        jnp.zeros((1, 1, 3, 5)), eps=0.1, block_q=8, max_blocks=0
+      )
 
 
 if __name__ == "__main__":

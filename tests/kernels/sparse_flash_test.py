@@ -11,6 +11,12 @@ from tests import tolerances
 from tests.kernels import base
 
 BQ, BK = 16, 32
+_CASES = [
+  ("tpu_f32_causal", "tpu", jnp.float32, True),
+  ("tpu_bf16_padded", "tpu", jnp.bfloat16, False),
+  ("gpu_f32_padded", "gpu", jnp.float32, False),
+  ("gpu_bf16_causal", "gpu", jnp.bfloat16, True),
+]
 
 
 def _selection(q, k, mask, causal, eps):
@@ -20,56 +26,63 @@ def _selection(q, k, mask, causal, eps):
   return kernels.select_blocks(st.lse, eps=eps, block_q=BQ)
 
 
-class SparseFlashTest(base.KernelTestCase):
-  @parameterized.product(
-    backend=["tpu", "gpu"],
-    dtype=[jnp.float32, jnp.bfloat16],
-    causal=[False, True],
+def _call(fn, q, k, v, sel, mask, causal, **kw):
+  return fn(
+    q, k, v, sel.block_idx, sel.block_count, mask=mask, is_causal=causal, **kw
   )
+
+
+class SparseFlashTest(base.KernelTestCase):
+  @parameterized.named_parameters(*_CASES)
   def test_matches_reference(self, backend, dtype, causal):
-    q, k, v, mask = self.inputs(2, 6, 3, 37, 101, 8, 5, dtype)
+    q, k, v, mask = base.planted(
+      2, 6, 3, 37, 101, 8, 5, dtype, block_k=BK, block_q=BQ
+    )
     sel = _selection(q, k, mask, causal, eps=0.05)
-    self.assertLess(float(jnp.mean(sel.block_count)), 4.0)  # really sparse
-    o, lse = kernels.sparse_flash_attention(
+    self.assertLess(float(jnp.mean(sel.block_count)), 3.0)  # really sparse
+    o, lse = _call(
+      kernels.sparse_flash_attention,
       q,
       k,
       v,
-      sel.block_idx,
-      sel.block_count,
-      mask=mask,
-      is_causal=causal,
+      sel,
+      mask,
+      causal,
       block_sizes=kernels.SparseFlashSizes(BQ, BK),
       backend=backend,
       interpret=self.INTERPRET,
     )
-    ro, rl = kernels.sparse_flash_attention_reference(
+    ro, rl = _call(
+      kernels.sparse_flash_attention_reference,
       q,
       k,
       v,
-      sel.block_idx,
-      sel.block_count,
-      mask=mask,
-      is_causal=causal,
+      sel,
+      mask,
+      causal,
       block_q=BQ,
       block_k=BK,
     )
     self.assertEqual(o.shape, (2, 6, 37, 5))
     self.assertEqual(o.dtype, dtype)
     np.testing.assert_allclose(
-      np.asarray(o, np.float32), np.asarray(ro, np.float32), **base_tol(dtype)
+      np.asarray(o, np.float32),
+      np.asarray(ro, np.float32),
+      **tolerances.tol(dtype),
     )
     base.finite_close(self, lse, rl, atol=2e-5, rtol=2e-5)
 
   def test_all_blocks_kept_is_dense_attention(self):
     q, k, v, mask = self.inputs(1, 4, 2, 21, 75, 8, 7, jnp.float32, seed=3)
     sel = _selection(q, k, mask, False, eps=0.0)
-    o, lse = kernels.sparse_flash_attention(
+    o, lse = _call(
+      kernels.sparse_flash_attention,
       q,
       k,
       v,
-      sel.block_idx,
-      sel.block_count,
-      mask=mask,
+      sel,
+      mask,
+      False,
       block_sizes=kernels.SparseFlashSizes(BQ, BK),
       interpret=self.INTERPRET,
     )
@@ -85,43 +98,32 @@ class SparseFlashTest(base.KernelTestCase):
 
   @parameterized.parameters("tpu", "gpu")
   def test_gradients_match_reference(self, backend):
-    q, k, v, mask = self.inputs(1, 4, 2, 19, 70, 8, 5, jnp.float32, seed=5)
+    q, k, v, mask = base.planted(
+      1, 4, 2, 19, 70, 8, 5, jnp.float32, block_k=BK, block_q=BQ, seed=5
+    )
     sel = _selection(q, k, mask, True, eps=0.1)
     ct = jax.random.normal(jax.random.key(7), (1, 4, 19, 5))
 
-    def loss(fn, q, k, v):
-      o, lse = fn(q, k, v)
+    def loss(fn, q, k, v, **kw):
+      o, lse = _call(fn, q, k, v, sel, mask, True, **kw)
       return jnp.sum(o * ct) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
-    def kern(q, k, v):
-      return kernels.sparse_flash_attention(
-        q,
-        k,
-        v,
-        sel.block_idx,
-        sel.block_count,
-        mask=mask,
-        is_causal=True,
+    got = jax.grad(
+      lambda *a: loss(
+        kernels.sparse_flash_attention,
+        *a,
         block_sizes=kernels.SparseFlashSizes(BQ, BK),
         backend=backend,
         interpret=self.INTERPRET,
-      )
-
-    def ref(q, k, v):
-      return kernels.sparse_flash_attention_reference(
-        q,
-        k,
-        v,
-        sel.block_idx,
-        sel.block_count,
-        mask=mask,
-        is_causal=True,
-        block_q=BQ,
-        block_k=BK,
-      )
-
-    got = jax.grad(lambda *a: loss(kern, *a), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2))(q, k, v)
+      ),
+      argnums=(0, 1, 2),
+    )(q, k, v)
+    want = jax.grad(
+      lambda *a: loss(
+        kernels.sparse_flash_attention_reference, *a, block_q=BQ, block_k=BK
+      ),
+      argnums=(0, 1, 2),
+    )(q, k, v)
     for g, w in zip(got, want, strict=True):
       np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
     # Keys in no kept block get exactly zero gradient.
@@ -149,11 +151,6 @@ class SparseFlashTest(base.KernelTestCase):
         block_sizes=kernels.SparseFlashSizes(BQ, BK),
         interpret=True,
       )
-
-
-def base_tol(dtype):
-  # bf16 outputs are rounded once at the end: the table's bf16 tolerance.
-  return tolerances.tol(dtype)
 
 
 if __name__ == "__main__":
