@@ -5,6 +5,11 @@ a certificate bounding the softmax mass (total variation) it dropped.
 """
 
 from jaxtopk import theory
+from jaxtopk.attention import KVCache
+from jaxtopk.attention import decode_attention
+from jaxtopk.attention import init_kv_cache
+from jaxtopk.attention import kv_cache_update
+from jaxtopk.attention import topk_attention
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Certified
 from jaxtopk.selection import Dense
@@ -12,5 +17,8 @@ from jaxtopk.selection import FixedK
 from jaxtopk.selection import Policy
 from jaxtopk.selection import PowerLaw
 from jaxtopk.selection import Ratio
+from jaxtopk.selection import Selection
+from jaxtopk.selection import certified_search
+from jaxtopk.selection import select
 
 __version__ = "0.1.0"

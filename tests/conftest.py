@@ -10,10 +10,10 @@ from hypothesis import settings  # noqa: E402
 # Property tests: bounded example counts, no deadline (jit compiles on first
 # call), derandomized so CI runs are reproducible.
 settings.register_profile(
-    "ci",
-    max_examples=60,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
+  "ci",
+  max_examples=60,
+  deadline=None,
+  derandomize=True,
+  suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -1,1 +1,13 @@
-"""jaxtopk.attention."""
+"""Attention on the XLA path: Top-k prefill and decode with certificates."""
+
+from jaxtopk.attention._cache import KVCache
+from jaxtopk.attention._cache import init_kv_cache
+from jaxtopk.attention._cache import kv_cache_update
+from jaxtopk.attention._decode import DECODE_IMPLEMENTATIONS
+from jaxtopk.attention._decode import decode_attention
+from jaxtopk.attention._decode import register_decode_implementation
+from jaxtopk.attention._decode import topk_indices
+from jaxtopk.attention._topk import IMPLEMENTATIONS
+from jaxtopk.attention._topk import causal_mask
+from jaxtopk.attention._topk import register_implementation
+from jaxtopk.attention._topk import topk_attention

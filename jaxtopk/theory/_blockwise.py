@@ -12,7 +12,9 @@ WITHOUT scoring it:
 
 Both are exact inequalities in real arithmetic; the float versions here are
 rounded UP by a stated slack so that they remain above the float64 truth
-(THEORY 3.4). ``scale`` must be positive.
+(THEORY 3.4), both of the exact logits and of logits computed in the keys'
+dtype (float32: a logit is off by at most (d + 2) eps scale sum_c |q_c k_c|).
+``scale`` must be positive.
 
 With S the scored keys and H a kept subset of S,
   Z_T <= sum_{i in S \\ H} e^{s_i} + sum_{b unscored} |B_b| e^{u_b} =: U,
@@ -20,11 +22,12 @@ With S the scored keys and H a kept subset of S,
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.special import logsumexp
 
+from jaxtopk.theory import _rows
 from jaxtopk.theory import _tail
 
 
@@ -84,6 +87,7 @@ def _blocked(keys, block_size, mask):
   return kb, vb
 
 
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def box_summary(keys, *, block_size: int, mask=None) -> BoxSummary:
   """Per-block min/max boxes of ``keys`` (THEORY 3.3, box form).
 
@@ -110,6 +114,7 @@ def box_summary(keys, *, block_size: int, mask=None) -> BoxSummary:
   )
 
 
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def ball_summary(keys, *, block_size: int, mask=None) -> BallSummary:
   """Per-block centre and radius of ``keys`` (THEORY 3.3, ball form).
 
@@ -149,6 +154,7 @@ def _dot_slack(abs_terms_sum, d, dtype):
   return (d + 2) * jnp.finfo(dtype).eps * abs_terms_sum
 
 
+@jax.jit
 def box_upper_bound(query, summary: BoxSummary, *, scale) -> jax.Array:
   """Sound upper bound on the logits of every block, from its box.
 
@@ -165,14 +171,22 @@ def box_upper_bound(query, summary: BoxSummary, *, scale) -> jax.Array:
   """
   dt = summary.kmin.dtype
   q = jnp.asarray(query).astype(dt)[..., None, :]  # [..., 1, d]
-  terms = jnp.maximum(q * summary.kmin, q * summary.kmax)  # [..., nb, d]
+  lo, hi = q * summary.kmin, q * summary.kmax  # [..., nb, d]
+  terms = jnp.maximum(lo, hi)  # [..., nb, d]
   u = jnp.sum(terms, axis=-1)
-  slack = _dot_slack(jnp.sum(jnp.abs(terms), axis=-1), q.shape[-1], dt)
+  # Rounding of u itself, plus the rounding of any float logit q.k_i of the
+  # block (|q_c k_ic| <= max(|q_c m_c|, |q_c M_c|)), so that u_b also bounds
+  # logits computed in this dtype (THEORY 3.4).
+  mag = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+  slack = _dot_slack(
+    jnp.sum(jnp.abs(terms), axis=-1) + jnp.sum(mag, axis=-1), q.shape[-1], dt
+  )
   u = scale * (u + slack)
   u = u + jnp.abs(u) * 2 * jnp.finfo(dt).eps
   return jnp.where(summary.count > 0, u, -jnp.inf)
 
 
+@jax.jit
 def ball_upper_bound(query, summary: BallSummary, *, scale) -> jax.Array:
   """Sound upper bound on the logits of every block, from its ball.
 
@@ -194,14 +208,20 @@ def ball_upper_bound(query, summary: BallSummary, *, scale) -> jax.Array:
   qn = qn * (1 + (d + 2) * jnp.finfo(dt).eps)
   prod = q[..., None, :] * summary.centre  # [..., nb, d]
   qc = jnp.sum(prod, axis=-1)  # [..., nb]
-  slack = _dot_slack(jnp.sum(jnp.abs(prod), axis=-1), d, dt)
+  # Rounding of q.c, plus the rounding of any float logit q.k_i of the block
+  # (sum_c |q_c k_ic| <= ||q|| (||c|| + r)), so that u_b also bounds logits
+  # computed in this dtype (THEORY 3.4).
+  cn = jnp.sqrt(jnp.sum(summary.centre * summary.centre, axis=-1))
+  slack = _dot_slack(
+    jnp.sum(jnp.abs(prod), axis=-1) + qn * (cn + summary.radius), d, dt
+  )
   u = scale * (qc + slack + qn * summary.radius)
   u = u + jnp.abs(u) * 4 * jnp.finfo(dt).eps
   return jnp.where(summary.count > 0, u, -jnp.inf)
 
 
 def blockwise_log_bound_row(
-  logits, keep, scored, block_upper, block_count, mask=None
+  logits, keep, scored, block_upper, block_count, mask=None, logit_error=0.0
 ) -> jax.Array:
   """log of the THEORY 3.3 bound for one row; see ``blockwise_bound``."""
   s = logits.astype(_tail.compute_dtype(logits.dtype))
@@ -210,22 +230,65 @@ def blockwise_log_bound_row(
   keep = jnp.asarray(keep, bool) & scored
   u = jnp.asarray(block_upper).astype(s.dtype)
   cnt = jnp.asarray(block_count)
-  lse_head = logsumexp(s, where=keep)
-  lse_scored_tail = logsumexp(s, where=scored & ~keep)
   has = cnt > 0
-  lse_unscored = logsumexp(
-    jnp.where(has, u + jnp.log(jnp.maximum(cnt, 1).astype(s.dtype)), 0.0),
-    where=has,
+  # Unscored block b contributes |B_b| e^{u_b}: one term u_b + log|B_b|.
+  ub = u + jnp.log(jnp.maximum(cnt, 1).astype(s.dtype))
+  # Reference: the largest term of either kind; NaN / +inf propagate.
+  ref_s, ok_s = _rows.row_ref(s, scored)
+  ref_u, ok_u = _rows.row_ref(ub, has)
+  any_s = jnp.any(scored)
+  any_u = jnp.any(has)
+  ok = (ok_s | ~any_s) & (ok_u | ~any_u) & (any_s | any_u)
+  ref = jnp.maximum(
+    jnp.where(any_s, ref_s, -jnp.inf), jnp.where(any_u, ref_u, -jnp.inf)
   )
-  log_u = jnp.logaddexp(lse_scored_tail, lse_unscored)
-  log_bound = log_u - jnp.logaddexp(lse_head, log_u)
+  ref = jnp.where(jnp.isfinite(ref), ref, 0.0)
+  head = _rows.log_mass(s, keep, ref)
+  tail_s = _rows.log_mass(s, scored & ~keep, ref)
+  tail_u = _rows.log_mass(ub, has, ref)
+  log_u = jnp.logaddexp(tail_s.log, tail_u.log)
+  err = (
+    head.err + tail_s.err + tail_u.err + jnp.abs(ub).max(initial=0.0, where=has)
+  )
   n_terms = s.shape[-1] + cnt.shape[-1]
-  log_bound = log_bound + _tail.log_slack(n_terms, s.dtype)
-  return jnp.minimum(log_bound, 0.0)
+  out = _rows.finish_log_bound(log_u, head.log, err, n_terms, ok)
+  # Logits off by at most delta: tail up by e^delta, head down by e^-delta,
+  # so the odds and hence the bound grow by at most e^{2 delta}.
+  delta = jnp.asarray(logit_error, s.dtype)
+  return jnp.minimum(out + 2 * delta, 0.0)
+
+
+@jax.jit
+def logit_rounding_bound(query, keys, *, scale, mask=None) -> jax.Array:
+  """Bound on |float logit - exact logit| over a row's keys (THEORY 3.4).
+
+  A d-term float dot product, then the scale, is off by at most
+  (d + 2) eps scale sum_c |q_c k_ic|; this returns the maximum over the real
+  keys, for the ``logit_error=`` argument of the bounds when the logits were
+  computed from q and k in the keys' compute dtype (float32, or float64).
+
+  Args:
+    query: ``[..., head_dim]``.
+    keys: ``[..., n_keys, head_dim]``; leading axes broadcast with query's.
+    scale: positive logit scale.
+    mask: optional ``[..., n_keys]`` bool, False for padded keys.
+
+  Returns:
+    ``[...]`` nonnegative float32 (float64 for float64 input).
+  """
+  k = jnp.asarray(keys)
+  dt = _tail.compute_dtype(jnp.result_type(k, jnp.asarray(query)))
+  q = jnp.asarray(query).astype(dt)[..., None, :]  # [..., 1, d]
+  mag = jnp.sum(jnp.abs(q * k.astype(dt)), axis=-1)  # [..., n]
+  if mask is not None:
+    mag = jnp.where(jnp.asarray(mask, bool), mag, 0.0)
+  d = k.shape[-1]
+  # Slightly more than (d + 2) eps to cover the rounding of this sum too.
+  return (d + 4) * jnp.finfo(dt).eps * scale * jnp.max(mag, axis=-1)
 
 
 def blockwise_log_bound(
-  logits, keep, scored, block_upper, block_count, mask=None
+  logits, keep, scored, block_upper, block_count, mask=None, *, logit_error=None
 ) -> jax.Array:
   """log of the blockwise tail bound over any leading axes (THEORY 3.3).
 
@@ -239,10 +302,16 @@ def blockwise_log_bound(
     block_count: ``[..., n_blocks]`` number of real keys in each unscored
       block; 0 for blocks that were scored (their keys are in ``scored``).
     mask: optional ``[..., n_keys]`` bool, False for padded keys.
+    logit_error: optional ``[...]`` (or scalar) bound delta on how far each
+      given logit may be from the exact one (e.g. ``logit_rounding_bound``
+      when the logits were computed in float32 from q and k); the bound then
+      holds for the exact logits: log bound + 2 delta (tail up, head down).
+      Without it the bound holds for the logits as given.
 
   Returns:
     ``[...]`` log of an upper bound on tau, rounded up; 0 (tau <= 1) when
-    nothing is kept, -inf when no real mass lies outside H.
+    nothing is kept, -inf when no real mass lies outside H; NaN for a row
+    with no distribution (no real key, or a NaN / +inf real logit or bound).
   """
   logits = jnp.asarray(logits)
   _tail.check_same_shape(logits, keep=keep, scored=scored, mask=mask)
@@ -251,15 +320,29 @@ def blockwise_log_bound(
       f"block_upper has shape {jnp.shape(block_upper)} but block_count has"
       f" shape {jnp.shape(block_count)}; they must match."
     )
+  _rows.check_has_key_axis(logits)
   valid = _tail._valid(logits, mask)
-  fn = blockwise_log_bound_row
-  for _ in range(logits.ndim - 1):
-    fn = jax.vmap(fn)
-  return fn(logits, keep, scored, block_upper, block_count, valid)
+  dt = _tail.compute_dtype(logits.dtype)
+  delta = jnp.broadcast_to(
+    jnp.asarray(0.0 if logit_error is None else logit_error, dt),
+    logits.shape[:-1],
+  )
+  return _rows.apply_rows(
+    blockwise_log_bound_row,
+    0,
+    (),
+    logits,
+    keep,
+    scored,
+    block_upper,
+    block_count,
+    valid,
+    delta,
+  )
 
 
 def blockwise_bound(
-  logits, keep, scored, block_upper, block_count, mask=None
+  logits, keep, scored, block_upper, block_count, mask=None, *, logit_error=None
 ) -> jax.Array:
   """Upper bound on tau from scored keys plus unscored block bounds.
 
@@ -273,5 +356,13 @@ def blockwise_bound(
     ``[...]`` upper bound on tau in float32 (float64 for float64 input).
   """
   return jnp.exp(
-    blockwise_log_bound(logits, keep, scored, block_upper, block_count, mask)
+    blockwise_log_bound(
+      logits,
+      keep,
+      scored,
+      block_upper,
+      block_count,
+      mask,
+      logit_error=logit_error,
+    )
   )

@@ -11,61 +11,38 @@ Conventions shared by the whole package:
   False for a padded one (the jax.nn convention). Masked keys are removed from
   the row: never kept, never tail. They are handled with ``where=`` reductions,
   never by writing -inf into the logits.
-- A row with no real key has no distribution: its tail mass is NaN.
+- A row with no real key has no distribution: its tail mass is NaN. So is a
+  row with a NaN or +inf real logit (NaN propagates), or whose real logits
+  are all -inf. A -inf logit among finite ones is a key of zero mass.
+- Sums are taken relative to the row's largest logit and never shifted back
+  (see _rows.py), so logits of magnitude 1e4 lose no accuracy.
 """
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.special import logsumexp
 
-# Rounding slack for bounds: a float32 log-sum-exp over n terms may be off by a
-# few ulps per level of the reduction tree. Bounds add this much (in log space)
-# so that they stay above the float64 truth (THEORY 3.4).
-_ULPS_PER_LEVEL = 4.0
+from jaxtopk.theory import _rows
 
-
-def compute_dtype(dtype) -> jnp.dtype:
-  """float32, or float64 when ``dtype`` is float64 (x64 on)."""
-  return jnp.promote_types(jnp.dtype(dtype), jnp.float32)
+# Shared helpers, kept importable from here for other packages.
+compute_dtype = _rows.compute_dtype
+check_same_shape = _rows.check_same_shape
+log_slack = _rows.log_slack
 
 
 def _valid(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
-  if mask is None:
-    return jnp.ones(logits.shape, bool)
-  return jnp.asarray(mask, bool)
-
-
-def check_same_shape(logits, **arrays) -> None:
-  """Raises ValueError naming the first array whose shape differs."""
-  for name, a in arrays.items():
-    if a is not None and jnp.shape(a) != jnp.shape(logits):
-      raise ValueError(
-        f"{name} has shape {jnp.shape(a)} but logits has shape"
-        f" {jnp.shape(logits)}; they must match."
-      )
-
-
-def log_slack(n_terms, dtype) -> jax.Array:
-  """Log-space round-up that keeps a float bound above the exact value.
-
-  A tree reduction of ``n_terms`` float terms has relative error at most about
-  ``log2(n_terms) + 1`` ulps per level; we add ``_ULPS_PER_LEVEL`` ulps per
-  level, plus a few for the final exp/log.
-  """
-  eps = jnp.finfo(dtype).eps
-  levels = jnp.log2(jnp.maximum(jnp.asarray(n_terms, dtype), 1.0)) + 4.0
-  return (_ULPS_PER_LEVEL * levels * eps).astype(dtype)
+  return _rows.as_mask(logits, mask)
 
 
 def _log_masses_row(logits, keep, mask):
-  """(lse over real keys, lse over kept real keys, lse over tail real keys)."""
+  """(log Z, log Z_H, log Z_T, ok), all relative to the row's largest logit."""
   s = logits.astype(compute_dtype(logits.dtype))
   valid = _valid(s, mask)
   keep = jnp.asarray(keep, bool)
-  lse_all = logsumexp(s, where=valid)
-  lse_head = logsumexp(s, where=valid & keep)
-  lse_tail = logsumexp(s, where=valid & ~keep)
-  return lse_all, lse_head, lse_tail
+  ref, ok = _rows.row_ref(s, valid)
+  lse_all = _rows.log_mass(s, valid, ref).log
+  lse_head = _rows.log_mass(s, valid & keep, ref).log
+  lse_tail = _rows.log_mass(s, valid & ~keep, ref).log
+  return lse_all, lse_head, lse_tail, ok
 
 
 def log_tail_mass_row(logits, keep, mask=None) -> jax.Array:
@@ -78,10 +55,11 @@ def log_tail_mass_row(logits, keep, mask=None) -> jax.Array:
 
   Returns:
     Scalar log tau: -inf when the tail holds no real key, NaN when the row
-    has no real key.
+    has no distribution (no real key, or a NaN / +inf real logit, or only
+    -inf real logits).
   """
-  lse_all, _, lse_tail = _log_masses_row(logits, keep, mask)
-  return lse_tail - lse_all
+  lse_all, _, lse_tail, ok = _log_masses_row(logits, keep, mask)
+  return jnp.where(ok, lse_tail - lse_all, jnp.nan)
 
 
 def tail_mass_row(logits, keep, mask=None) -> jax.Array:
@@ -95,23 +73,8 @@ def kl_truncated_row(logits, keep, mask=None) -> jax.Array:
   Computed from the head mass directly, so it stays exact when tau is close
   to 1 (no 1 - tau by subtraction). +inf when nothing real is kept.
   """
-  lse_all, lse_head, _ = _log_masses_row(logits, keep, mask)
-  return lse_all - lse_head
-
-
-def _batched(row_fn, n_row_args):
-  """vmaps a per-row function over all leading axes of its first argument."""
-
-  def wrapper(logits, *args):
-    logits = jnp.asarray(logits)
-    if logits.ndim == 0:
-      raise ValueError(f"logits must have a key axis; got {logits.shape=}")
-    fn = row_fn
-    for _ in range(logits.ndim - 1):
-      fn = jax.vmap(fn, in_axes=(0,) * n_row_args)
-    return fn(logits, *args)
-
-  return wrapper
+  lse_all, lse_head, _, ok = _log_masses_row(logits, keep, mask)
+  return jnp.where(ok, lse_all - lse_head, jnp.nan)
 
 
 def log_tail_mass(logits, keep, mask=None) -> jax.Array:
@@ -139,7 +102,8 @@ def log_tail_mass(logits, keep, mask=None) -> jax.Array:
   check_same_shape(logits, keep=keep, mask=mask)
   keep = jnp.asarray(keep, bool)
   valid = _valid(logits, mask)
-  return _batched(log_tail_mass_row, 3)(logits, keep, valid)
+  _rows.check_has_key_axis(logits)
+  return _rows.apply_rows(log_tail_mass_row, 0, (), logits, keep, valid)
 
 
 def tail_mass(logits, keep, mask=None) -> jax.Array:
@@ -173,4 +137,5 @@ def kl_truncated(logits, keep, mask=None) -> jax.Array:
   check_same_shape(logits, keep=keep, mask=mask)
   keep = jnp.asarray(keep, bool)
   valid = _valid(logits, mask)
-  return _batched(kl_truncated_row, 3)(logits, keep, valid)
+  _rows.check_has_key_axis(logits)
+  return _rows.apply_rows(kl_truncated_row, 0, (), logits, keep, valid)

@@ -10,15 +10,15 @@ import jaxtopk
 
 class PoliciesTest(parameterized.TestCase):
   @parameterized.named_parameters(
-      ("fixedk_zero", lambda: jaxtopk.FixedK(0), "topk=0"),
-      ("fixedk_float", lambda: jaxtopk.FixedK(2.5), "2.5"),
-      ("ratio_zero", lambda: jaxtopk.Ratio(0.0), "rho=0.0"),
-      ("ratio_big", lambda: jaxtopk.Ratio(1.5), "rho=1.5"),
-      ("powerlaw_c", lambda: jaxtopk.PowerLaw(1.0, 1.5), "c=1.5"),
-      ("powerlaw_alpha", lambda: jaxtopk.PowerLaw(-1.0, 0.5), "alpha=-1.0"),
-      ("certified_eps", lambda: jaxtopk.Certified(1.0), "eps=1.0"),
-      ("certified_search", lambda: jaxtopk.Certified(0.1, "bogus"), "bogus"),
-      ("certified_delta", lambda: jaxtopk.Certified(0.1, delta=0.0), "delta"),
+    ("fixedk_zero", lambda: jaxtopk.FixedK(0), "topk=0"),
+    ("fixedk_float", lambda: jaxtopk.FixedK(2.5), "2.5"),
+    ("ratio_zero", lambda: jaxtopk.Ratio(0.0), "rho=0.0"),
+    ("ratio_big", lambda: jaxtopk.Ratio(1.5), "rho=1.5"),
+    ("powerlaw_c", lambda: jaxtopk.PowerLaw(1.0, 1.5), "c=1.5"),
+    ("powerlaw_alpha", lambda: jaxtopk.PowerLaw(-1.0, 0.5), "alpha=-1.0"),
+    ("certified_eps", lambda: jaxtopk.Certified(1.0), "eps=1.0"),
+    ("certified_search", lambda: jaxtopk.Certified(0.1, "bogus"), "bogus"),
+    ("certified_delta", lambda: jaxtopk.Certified(0.1, delta=0.0), "delta"),
   )
   def test_bad_values_are_named(self, make, fragment):
     with self.assertRaisesRegex((ValueError, TypeError), fragment):

@@ -1,0 +1,109 @@
+"""Benchmark: the real all-MiniLM-L6-v2 encoder in jaxtopk.nn.
+
+Times, on real text (Debian licence passages), the three things other
+experiments pay for: loading the weights (``load_minilm``), the jitted dense
+forward pass to sentence embeddings at ``[batch, max_len]`` tokens, and
+``minilm_attention_rows`` (forward with every layer's logits, q, k, v, copied
+to host numpy). Each figure is the median and min of ``--repeats`` runs after
+one warm-up (compile) run; the machine is shared, so the min is the cleaner
+figure. Writes one JSON file.
+
+Launch:
+  python -m experiments.bench_minilm --out=/tmp/bench_minilm.json
+  python -m experiments.bench_minilm --out=/tmp/b.json --batch=2 --max_len=16 \
+    --repeats=1   # smoke, seconds
+"""
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+from absl import app
+from absl import flags
+from flax import nnx
+
+from jaxtopk import nn
+
+_OUT = flags.DEFINE_string("out", None, "JSON file to write.", required=True)
+_BATCH = flags.DEFINE_integer("batch", 8, "Passages per forward pass.")
+_MAX_LEN = flags.DEFINE_integer("max_len", 256, "Tokens per passage (padded).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs after warm-up.")
+
+
+def _time(fn, repeats):
+  """Warm-up run (compile), then ``repeats`` timed runs in seconds."""
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn())
+  first = time.perf_counter() - t0
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return dict(
+    first_s=first,
+    median_s=statistics.median(times),
+    min_s=min(times),
+    repeats=repeats,
+  )
+
+
+@nnx.jit
+def _embed(model, batch):
+  return nn.sentence_embedding(model, **batch)
+
+
+def run(batch_size: int, max_len: int, repeats: int) -> dict:
+  """Runs the benchmark and returns its record."""
+  texts, sources = nn.real_text_passages(
+    batch_size, max_len, seed=0, return_sources=True
+  )
+  load = _time(lambda: nn.load_minilm()[0], repeats)
+  model, tokenizer = nn.load_minilm()
+  batch = nn.minilm_tokenize(
+    tokenizer, texts, max_len=max_len, pad_to_max_len=True
+  )
+  forward = _time(lambda: _embed(model, batch), repeats)
+  tokens = batch_size * max_len
+  forward["tokens_per_s_at_min"] = tokens / forward["min_s"]
+  rows = _time(
+    lambda: nn.minilm_attention_rows(
+      texts,
+      max_len,
+      model=model,
+      tokenizer=tokenizer,
+      pad_to_max_len=True,
+      batch_size=batch_size,
+    )["logits"],
+    repeats,
+  )
+  return dict(
+    benchmark="minilm",
+    batch=batch_size,
+    max_len=max_len,
+    text_sources=sources,
+    load_minilm=load,
+    embed_forward_jit=forward,
+    minilm_attention_rows=rows,
+    machine=dict(
+      platform=platform.platform(),
+      cpu_count=os.cpu_count(),
+      devices=[str(d) for d in jax.devices()],
+      jax=jax.__version__,
+    ),
+  )
+
+
+def main(argv):
+  del argv
+  record = run(_BATCH.value, _MAX_LEN.value, _REPEATS.value)
+  with open(_OUT.value, "w", encoding="utf-8") as f:
+    json.dump(record, f, indent=2)
+  print(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,186 @@
+"""KVCache and decode_attention: summaries, agreement with topk_attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+from absl.testing import parameterized
+
+import jaxtopk
+from jaxtopk.attention import _decode
+from jaxtopk.theory import _blockwise
+from tests.tolerances import tol
+
+B, HKV, H, D, DV = 3, 2, 6, 5, 7
+N, BS = 1024, 32  # capacity and block size (candidate path needs n >= 32 k)
+LENGTHS = (1024, 700, 13)  # every batch row a different fill
+
+
+def _filled_cache(seed=0, clustered=False):
+  """(cache filled in 3 chunks to N, cache with rows of LENGTHS, k, v)."""
+  kk, kv = jax.random.split(jax.random.key(seed))
+  k = jax.random.normal(kk, (B, N, HKV, D))
+  if clustered:  # keys drift slowly, so block boxes are informative
+    drift = jnp.cumsum(jax.random.normal(kk, (B, N // BS, 1, D)), 1)
+    k = 0.2 * k + 3 * jnp.repeat(drift, BS, 1)
+  v = jax.random.normal(kv, (B, N, HKV, DV))
+  empty = jaxtopk.init_kv_cache(B, N, HKV, D, block_size=BS, value_dim=DV)
+  full = empty
+  for lo, hi in ((0, 333), (333, 334), (334, N)):
+    full = jaxtopk.kv_cache_update(full, k[:, lo:hi], v[:, lo:hi])
+  rows = jaxtopk.kv_cache_update(empty, k, v, num_steps=jnp.array(LENGTHS))
+  return full, rows, k, v
+
+
+class CacheTest(parameterized.TestCase):
+  def test_summaries_match_box_summary(self):
+    cache, _, k, v = _filled_cache()
+    np.testing.assert_array_equal(cache.length, N)
+    kh = k.transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(cache.keys, kh)
+    box = _blockwise.box_summary(kh, block_size=BS)
+    np.testing.assert_array_equal(cache.kmin, box.kmin)
+    np.testing.assert_array_equal(cache.kmax, box.kmax)
+    vn = np.linalg.norm(np.asarray(v, np.float64), axis=-1)  # [b, n, hk]
+    vn = vn.transpose(0, 2, 1).reshape(B, HKV, N // BS, BS).max(-1)
+    self.assertTrue(np.all(cache.vnorm >= vn))
+    np.testing.assert_allclose(cache.vnorm, vn, rtol=1e-5)
+
+  def test_rows_of_different_lengths(self):
+    _, cache, k, _ = _filled_cache()
+    np.testing.assert_array_equal(cache.length, LENGTHS)
+    cnt = cache.block_count()[:, 0]
+    np.testing.assert_array_equal(cnt.sum(-1), LENGTHS)
+    for b, n in enumerate(LENGTHS):
+      box = _blockwise.box_summary(k[b, :n].transpose(1, 0, 2), block_size=BS)
+      nb = box.kmin.shape[1]
+      np.testing.assert_array_equal(cache.kmin[b, :, :nb], box.kmin)
+      np.testing.assert_array_equal(cache.kmax[b, :, :nb], box.kmax)
+      self.assertTrue(np.all(np.isinf(cache.kmin[b, :, nb:])))
+      np.testing.assert_array_equal(cache.keys[b, :, n:], 0.0)
+
+  def test_overflow_drops_and_saturates(self):
+    cache = jaxtopk.init_kv_cache(1, 32, 1, 3, block_size=16)
+    x = jnp.ones((1, 40, 1, 3))
+    cache = jaxtopk.kv_cache_update(cache, x, x)
+    np.testing.assert_array_equal(cache.length, [32])
+    np.testing.assert_array_equal(cache.kmax, 1.0)
+
+  @parameterized.named_parameters(
+    ("len", lambda: jaxtopk.init_kv_cache(1, 30, 1, 3, block_size=16), "30"),
+    ("neg", lambda: jaxtopk.init_kv_cache(0, 32, 1, 3), "batch=0"),
+  )
+  def test_bad_init(self, make, fragment):
+    with self.assertRaisesRegex(ValueError, fragment):
+      make()
+
+  def test_bad_update(self):
+    cache = jaxtopk.init_kv_cache(2, 32, 1, 3, block_size=16)
+    with self.assertRaisesRegex(ValueError, "key must be"):
+      jaxtopk.kv_cache_update(cache, jnp.ones((2, 1, 2, 3)), jnp.ones((2, 1)))
+
+
+def _reference(q, k, v, policy):
+  """topk_attention over each row's filled prefix, as the decode oracle."""
+  mask = (jnp.arange(N)[None, :] < jnp.array(LENGTHS)[:, None])[
+    :, None, None, :
+  ]
+  return jaxtopk.topk_attention(q, k, v, policy=policy, mask=mask)
+
+
+class DecodeTest(parameterized.TestCase):
+  @parameterized.named_parameters(
+    ("fixedk_candidates", jaxtopk.FixedK(5)),  # sub-block candidate path
+    ("ratio_full_row", jaxtopk.Ratio(1 / 8)),  # one radix over the row
+    ("dense", jaxtopk.Dense()),
+    ("certified_exact", jaxtopk.Certified(0.05)),
+  )
+  def test_matches_topk_attention(self, policy):
+    _, cache, k, v = _filled_cache()
+    q = 2 * jax.random.normal(jax.random.key(7), (B, 1, H, D))
+    out, cert = jaxtopk.decode_attention(q, cache, policy=policy)
+    ref, rcert = _reference(q, k, v, policy)
+    np.testing.assert_allclose(out, ref, **tol(jnp.float32))
+    np.testing.assert_array_equal(cert.k_kept, rcert.k_kept)
+    np.testing.assert_allclose(cert.tv_bound, rcert.tv_bound, rtol=1e-4)
+    self.assertEqual(cert.tv_bound.shape, (B, 1, H))
+
+  def test_ties_in_candidate_path_sound(self):
+    # Many identical keys: exact ties across sub-blocks and at the threshold.
+    cache = jaxtopk.init_kv_cache(1, N, 1, D, block_size=BS)
+    base = jax.random.normal(jax.random.key(1), (7, D))
+    k = base[jnp.arange(N) % 7][None, :, None, :]
+    cache = jaxtopk.kv_cache_update(cache, k, k)
+    q = jax.random.normal(jax.random.key(2), (1, 1, 1, D))
+    topk = 200  # 200 of 1024: several tied groups straddle the threshold
+    idx, kept, thresh = _decode.topk_indices(
+      (cache.keys[0, 0] @ q[0, 0, 0]).astype(jnp.float32)[None],
+      jnp.array([topk]),
+      jnp.ones((1, N), bool),
+      256,
+    )
+    self.assertEqual(len(set(np.asarray(idx[0][kept[0]]).tolist())), topk)
+    _, cert = jaxtopk.decode_attention(
+      q, cache, policy=jaxtopk.FixedK(topk), scale=1.0
+    )
+    s = np.asarray(base, np.float64) @ np.asarray(q[0, 0, 0], np.float64)
+    row = s[np.arange(N) % 7]
+    e = np.exp(row - row.max())
+    tau = np.sort(e)[: N - topk].sum() / e.sum()
+    self.assertGreaterEqual(float(cert.tv_bound[0, 0, 0]), tau)
+    np.testing.assert_allclose(cert.tv_bound[0, 0, 0], tau, rtol=1e-4)
+
+  @parameterized.parameters("delta", "mc")
+  def test_search_sound_and_skips_blocks(self, search):
+    _, cache, k, v = _filled_cache(clustered=True)
+    q = jax.random.normal(jax.random.key(7), (B, 1, H, D))
+    policy = jaxtopk.Certified(0.05, search=search, block_size=BS)
+    out, cert = jaxtopk.decode_attention(
+      q, cache, policy=policy, key=jax.random.key(1)
+    )
+    self.assertTrue(np.all(cert.tv_bound <= 0.05))
+    n_real = np.array(LENGTHS)[:, None, None]
+    frac = np.asarray(cert.keys_scored) / n_real
+    self.assertLess(float(frac[:2].mean()), 0.6)  # boxes skip most blocks
+    # Soundness of the output bound vs float64 dense attention.
+    ref, _ = _reference(q, k, v, jaxtopk.Dense())
+    err = np.linalg.norm(
+      np.asarray(out, np.float64) - np.asarray(ref, np.float64), axis=-1
+    )
+    self.assertTrue(np.all(cert.output_error_bound + 1e-5 >= err))
+
+  def test_empty_row_is_zero_and_invalid(self):
+    cache = jaxtopk.init_kv_cache(2, 64, 1, D, block_size=BS)
+    x = jnp.ones((1, 5, 1, D))
+    one = jaxtopk.kv_cache_update(
+      jaxtopk.init_kv_cache(1, 64, 1, D, block_size=BS), x, x
+    )
+    cache = jax.tree.map(lambda a, b: a.at[0].set(b[0]), cache, one)
+    q = jnp.ones((2, 1, 2, D))
+    for policy in (jaxtopk.FixedK(2), jaxtopk.Certified(0.1)):
+      out, cert = jaxtopk.decode_attention(q, cache, policy=policy)
+      np.testing.assert_array_equal(cert.valid[:, 0, 0], [True, False])
+      np.testing.assert_array_equal(out[1], 0.0)
+
+  @parameterized.named_parameters(
+    ("query", dict(q_shape=(B, 2, H, D)), ValueError, "query"),
+    ("heads", dict(q_shape=(B, 1, 5, D)), ValueError, "multiple"),
+    ("pallas", dict(implementation="pallas"), NotImplementedError, "pallas"),
+    ("block", dict(policy=jaxtopk.Certified(0.1, "delta")), ValueError, "64"),
+    (
+      "mc_key",
+      dict(policy=jaxtopk.Certified(0.1, "mc", BS)),
+      ValueError,
+      "key",
+    ),
+  )
+  def test_bad_input(self, kwargs, exc, fragment):
+    cache = jaxtopk.init_kv_cache(B, 64, HKV, D, block_size=BS)
+    q = jnp.ones(kwargs.pop("q_shape", (B, 1, H, D)))
+    kwargs.setdefault("policy", jaxtopk.FixedK(2))
+    with self.assertRaisesRegex(exc, fragment):
+      jaxtopk.decode_attention(q, cache, **kwargs)
+
+
+if __name__ == "__main__":
+  absltest.main()

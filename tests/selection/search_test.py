@@ -1,0 +1,115 @@
+"""certified_search: Delta-/MC-Search sound vs float64, fewer scored keys."""
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+from absl.testing import parameterized
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jaxtopk
+
+R, N, D, BS = 3, 40, 5, 8  # rows, keys (ragged last block), dim, block
+
+
+def _truth(q, k, keep, mask, scale):
+  """float64 tau of the kept set, per row."""
+  s = np.einsum("rd,rnd->rn", q.astype(np.float64), k.astype(np.float64))
+  s = np.where(mask, s * scale, -np.inf)
+  e = np.exp(s - s.max(-1, keepdims=True))
+  return (e * ~keep).sum(-1) / e.sum(-1)
+
+
+def _clustered(seed, r, n, d, spread=3.0):
+  kk, kc = jax.random.split(jax.random.key(seed))
+  drift = jnp.cumsum(jax.random.normal(kc, (r, n // 16 + 1, d)), 1)
+  centres = jnp.repeat(drift, 16, 1)[:, :n]
+  return np.asarray(0.2 * jax.random.normal(kk, (r, n, d)) + spread * centres)
+
+
+_vals = st.one_of(
+  st.floats(-4, 4, width=32), st.sampled_from([0.0, 1.0, -1.0, 20.0, -20.0])
+)
+
+
+class SearchTest(parameterized.TestCase):
+  @given(
+    q=hnp.arrays(np.float32, (R, D), elements=_vals),
+    k=hnp.arrays(np.float32, (R, N, D), elements=_vals),
+    mask=hnp.arrays(np.bool_, (R, N)),
+    search=st.sampled_from(["exact", "delta", "mc"]),
+    eps=st.sampled_from([0.01, 0.2]),
+  )
+  def test_sound_vs_float64(self, q, k, mask, search, eps):
+    policy = jaxtopk.Certified(eps, search=search, block_size=BS)
+    sel = jaxtopk.certified_search(
+      q, k, policy=policy, mask=mask, values=k, key=jax.random.key(0)
+    )
+    cert = sel.certificate
+    keep = np.asarray(sel.keep)
+    tau = _truth(q, k, keep, mask, 1 / np.sqrt(D))
+    for r in range(R):
+      if not mask[r].any():
+        self.assertFalse(bool(cert.valid[r]))
+        continue
+      self.assertTrue(bool(cert.valid[r]))
+      self.assertFalse(np.any(keep[r] & ~mask[r]))
+      # MC may fail with probability delta = 0.01; on these 60 x 3 rows a
+      # failure would be a red flag worth reading, so none is tolerated.
+      self.assertGreaterEqual(float(cert.tv_bound[r]), tau[r])
+      self.assertLessEqual(float(cert.tv_bound[r]), eps)
+      self.assertLessEqual(int(cert.k_kept[r]), int(cert.keys_scored[r]))
+
+  # MC pays num_samples per non-empty block up front (counted).
+  @parameterized.parameters(
+    ("delta", 0.05, 16), ("delta", 0.01, 16), ("mc", 0.05, 16)
+  )
+  def test_scores_fewer_keys_on_clustered_rows(self, search, eps, bs):
+    k = _clustered(0, 4, 512, 8)
+    q = 2 * np.asarray(jax.random.normal(jax.random.key(1), (4, 8)))
+    policy = jaxtopk.Certified(eps, search=search, block_size=bs, num_samples=4)
+    sel = jaxtopk.certified_search(q, k, policy=policy, key=jax.random.key(2))
+    frac = np.asarray(sel.certificate.keys_scored) / 512
+    self.assertLess(float(frac.mean()), 0.5)
+    exact = jaxtopk.certified_search(
+      q, k, policy=jaxtopk.Certified(eps, block_size=bs)
+    )
+    np.testing.assert_array_equal(exact.certificate.keys_scored, 512)
+    self.assertTrue(np.all(sel.certificate.tv_bound <= eps))
+
+  def test_mc_empirical_failure_rate_below_delta(self):
+    # Many rows, loose Hoeffding: count rows whose bound is below the truth.
+    r, n = 64, 256
+    k = _clustered(3, r, n, 8, spread=1.0)
+    q = 2 * np.asarray(jax.random.normal(jax.random.key(4), (r, 8)))
+    policy = jaxtopk.Certified(
+      0.05, search="mc", block_size=16, delta=0.05, num_samples=4
+    )
+    fails = 0
+    for trial in range(3):
+      sel = jaxtopk.certified_search(
+        q, k, policy=policy, key=jax.random.key(10 + trial)
+      )
+      tau = _truth(
+        q, k, np.asarray(sel.keep), np.ones((r, n), bool), 1 / 8**0.5
+      )
+      fails += int(np.sum(np.asarray(sel.certificate.tv_bound) < tau))
+      self.assertEqual(sel.certificate.failure_prob, 0.05)
+    self.assertLessEqual(fails / (3 * r), 0.05)
+
+  @parameterized.named_parameters(
+    ("policy", dict(policy=jaxtopk.FixedK(2)), TypeError, "Certified"),
+    ("shape", dict(query=np.ones((R + 1, D))), ValueError, "leading"),
+    ("mc_key", dict(policy=jaxtopk.Certified(0.1, "mc")), ValueError, "key"),
+  )
+  def test_bad_input(self, kwargs, exc, fragment):
+    args = dict(query=np.ones((R, D)), policy=jaxtopk.Certified(0.1, "delta"))
+    args.update(kwargs)
+    with self.assertRaisesRegex(exc, fragment):
+      jaxtopk.certified_search(args.pop("query"), jnp.ones((R, N, D)), **args)
+
+
+if __name__ == "__main__":
+  absltest.main()
