@@ -199,7 +199,7 @@ class CertifiedSearchSmokeTest(absltest.TestCase):
     records = _common.read_metrics(workdir, "search")
     self.assertLen(
       records,
-      (len(config.synthetic.sigmas) + 1)
+      (2 * len(config.synthetic.sigmas) + 1)
       * len(config.epss)
       * len(config.searches),
     )
