@@ -272,7 +272,10 @@ def plot(config, sparsity, policy_recs, minilm, workdir):
         "o-",
         label=f"layer {layer}",
       )
-    ax.set_xscale("log")
+    ax.set_xscale("log", base=2)
+    lens = sorted({r["mean_n"] for r in minilm})
+    ax.set_xticks(lens, [f"{x:.0f}" for x in lens])
+    ax.minorticks_off()
     ax.legend(fontsize=5)
   ax.set_xlabel("n (tokens)")
   ax.set_ylabel(f"|S_eps|, eps={e0}")
