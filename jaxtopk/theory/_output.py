@@ -24,6 +24,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array
+from jaxtyping import ArrayLike
+from jaxtyping import Bool
+from jaxtyping import Float
 
 from jaxtopk.theory import _rows
 
@@ -176,7 +180,14 @@ def _error_row(logits, keep, values, mask, tv):
   return _rows.up_positive(out, (tv > 0) & (diff > 0))
 
 
-def head_tail_error(logits, keep, values, mask=None, *, tv_bound=None):
+def head_tail_error(
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  values: Float[ArrayLike, "*b n dv"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  tv_bound: Float[ArrayLike, "*b"] | None = None,
+) -> Float[Array, "*b"]:
   """Exact ||Attn - Attn_k||_2 = tau ||mu_tail - mu_head||_2 (THEORY 4.1).
 
   Computed from the two group means, not by subtracting two attention
@@ -237,7 +248,14 @@ def _diameter_row(logits, keep, values, mask, tv):
   return jnp.where(jnp.isnan(ht.log_tau), jnp.nan, out)
 
 
-def diameter_bound(logits, keep, values, mask=None, *, tv_bound=None):
+def diameter_bound(
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  values: Float[ArrayLike, "*b n dv"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  tv_bound: Float[ArrayLike, "*b"] | None = None,
+) -> Float[Array, "*b"]:
   """Bound ||Attn - Attn_k|| <= tau max_{i in H, j in T} ||v_i - v_j||.
 
   THEORY 4.2 (first form). Needs the tail values (their distances to the
@@ -321,7 +339,14 @@ def _variance_row(logits, keep, values, mask, tv):
   return jnp.where(ok, out, jnp.nan)
 
 
-def variance_bound(logits, keep, values, mask=None, *, tv_bound=None):
+def variance_bound(
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  values: Float[ArrayLike, "*b n dv"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  tv_bound: Float[ArrayLike, "*b"] | None = None,
+) -> Float[Array, "*b"]:
   """Bound ||Attn - Attn_k|| <= sqrt(tau / (1 - tau) Var_P(V)) (THEORY 4.3).
 
   Var_P(V) = sum_i P_i ||v_i - Attn||^2 contains the between-group term

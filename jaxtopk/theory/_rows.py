@@ -202,14 +202,18 @@ def concrete(x):
     return None
 
 
-def check_topk(topk, n: int) -> None:
-  """Raises ValueError unless 1 <= topk <= n (checked when concrete)."""
+def check_topk(topk, n: int, scalar: bool = True) -> None:
+  """Raises ValueError unless 1 <= topk <= n (checked when concrete).
+
+  With ``scalar=False`` an integer array (one topk per row) is allowed.
+  """
   t = concrete(topk)
   if t is None:
     return
-  if t.ndim != 0 or not np.issubdtype(t.dtype, np.integer):
-    raise ValueError(f"{topk=} must be a scalar integer")
-  if not 1 <= int(t) <= n:
+  if (scalar and t.ndim != 0) or not np.issubdtype(t.dtype, np.integer):
+    kind = "a scalar integer" if scalar else "integer"
+    raise ValueError(f"{topk=} must be {kind}")
+  if not np.all((t >= 1) & (t <= n)):
     raise ValueError(f"{topk=} must be in [1, n_keys={n}]")
 
 

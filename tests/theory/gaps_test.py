@@ -165,6 +165,18 @@ class ApiTest(parameterized.TestCase):
     self.assertGreaterEqual(float(theory.variance_bound(s, keep, v)), 0.0)
     self.assertEqual(float(theory.multi_gap_bound(s, 3)), 0.0)
 
+  def test_per_row_topk(self):
+    s = strategies.normal((3, 11), seed=9, scale=2.0)
+    topk = jnp.array([1, 4, 11])
+    got = theory.multi_gap_bound(s, topk)
+    for r in range(3):
+      want = theory.multi_gap_bound(s[r], int(topk[r]))
+      np.testing.assert_allclose(got[r], want, rtol=1e-6)  # vector exp: 1 ulp
+    with self.assertRaisesRegex(ValueError, "topk="):
+      theory.single_gap_bound(s, jnp.array([1, 0, 2]))
+    with self.assertRaisesRegex(ValueError, "broadcast"):
+      theory.single_gap_bound(s, jnp.array([1, 2]))
+
   def test_nonfinite_logits_give_nan(self):
     for bad in (jnp.nan, jnp.inf):
       s = jnp.array([0.0, bad, 1.0])
