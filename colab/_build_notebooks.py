@@ -1220,7 +1220,22 @@ def build(name: str, cells) -> nbformat.NotebookNode:
   return nb
 
 
-def execute(nb, *, small: bool = True, timeout: int = 600, cwd=COLAB_DIR):
+# XLA CPU flags that roughly halve compile time (measured on the README
+# snippets: 19.5 s -> 10.5 s CPU); the tests set them, the committed outputs
+# are made without them.
+FAST_COMPILE_FLAGS = (
+  "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+)
+
+
+def execute(
+  nb,
+  *,
+  small: bool = True,
+  fast_compile: bool = False,
+  timeout: int = 600,
+  cwd=COLAB_DIR,
+):
   """Runs ``nb`` in place in a fresh kernel of THIS Python; raises on error.
 
   The kernel is started from a temporary kernelspec whose argv is
@@ -1228,6 +1243,19 @@ def execute(nb, *, small: bool = True, timeout: int = 600, cwd=COLAB_DIR):
   ``python3`` kernelspecs the machine has (a fresh CI venv has none but
   ipykernel's own). The repository root is put on PYTHONPATH so an
   un-installed checkout imports too.
+
+  Args:
+    nb: an nbformat notebook, executed in place (outputs stored in it).
+    small: set ``JAXTOPK_NOTEBOOK_SMALL=1`` (the notebooks' small sizes).
+    fast_compile: add ``FAST_COMPILE_FLAGS`` to the kernel's XLA_FLAGS.
+    timeout: seconds allowed per cell.
+    cwd: the kernel's working directory.
+
+  Returns:
+    ``nb``.
+
+  Raises:
+    nbclient.exceptions.CellExecutionError: a cell raised.
   """
   import nbclient
   from jupyter_client.kernelspec import KernelSpecManager
@@ -1240,6 +1268,11 @@ def execute(nb, *, small: bool = True, timeout: int = 600, cwd=COLAB_DIR):
     "JAXTOPK_NOTEBOOK_SMALL": "1" if small else "0",
     "MPLBACKEND": "module://matplotlib_inline.backend_inline",
   }
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if fast_compile:
+    xla_flags = f"{xla_flags} {FAST_COMPILE_FLAGS}".strip()
+  if xla_flags:
+    env["XLA_FLAGS"] = xla_flags
   with tempfile.TemporaryDirectory() as tmp:
     spec_dir = pathlib.Path(tmp, "kernels", "jaxtopk-python3")
     spec_dir.mkdir(parents=True)
