@@ -31,12 +31,17 @@ from absl import flags
 
 import jaxtopk
 
-_OUT = flags.DEFINE_string("out", "bench_decode.json", "JSON output path.")
-_SIZES = flags.DEFINE_list("sizes", ["16384", "131072"], "Key counts n.")
-_REPEATS = flags.DEFINE_integer("repeats", 15, "Timed calls per variant.")
-_HEADS = flags.DEFINE_integer("heads", 8, "Heads (= kv heads).")
-_DIM = flags.DEFINE_integer("head_dim", 128, "Head dimension.")
-_RHO = flags.DEFINE_float("rho", 1 / 64, "Kept fraction.")
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+  """Flags, defined only when run as a script (importable by tests)."""
+  flags.DEFINE_string("out", "bench_decode.json", "JSON output path.")
+  flags.DEFINE_list("sizes", ["16384", "131072"], "Key counts n.")
+  flags.DEFINE_integer("repeats", 15, "Timed calls per variant.")
+  flags.DEFINE_integer("heads", 8, "Heads (= kv heads).")
+  flags.DEFINE_integer("head_dim", 128, "Head dimension.")
+  flags.DEFINE_float("rho", 1 / 64, "Kept fraction.")
 
 
 def time_round_robin(variants, *, repeats):
@@ -126,13 +131,13 @@ def bench(n, *, heads, head_dim, rho, repeats):
 def main(argv):
   del argv
   results = []
-  for n in map(int, _SIZES.value):
+  for n in map(int, FLAGS.sizes):
     r = bench(
       n,
-      heads=_HEADS.value,
-      head_dim=_DIM.value,
-      rho=_RHO.value,
-      repeats=_REPEATS.value,
+      heads=FLAGS.heads,
+      head_dim=FLAGS.head_dim,
+      rho=FLAGS.rho,
+      repeats=FLAGS.repeats,
     )
     print(json.dumps(r), flush=True)
     results.append(r)
@@ -148,9 +153,10 @@ def main(argv):
       " of --repeats calls each"
     ),
   )
-  with open(_OUT.value, "w") as f:
+  with open(FLAGS.out, "w") as f:
     json.dump(dict(meta=meta, results=results), f, indent=1)
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
