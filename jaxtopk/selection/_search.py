@@ -216,10 +216,14 @@ def _mc_log_mass_row(q, kb, vb, u, cnt, rng, *, scale, num_samples, delta):
   per_key = jnp.minimum(eu, mean + width)
   # Round the estimate up: a mean of m terms in floats.
   per_key = per_key * (1 + (m + 8) * jnp.finfo(dt).eps)
-  log_mass = jnp.log(per_key) + c + jnp.log(jnp.maximum(cnt, 1).astype(dt))
-  log_mass = jnp.where(cnt > 0, log_mass, -jnp.inf)
-  # The per-key level for blockwise_log_bound: cnt * e^{u'} = U_b.
-  u_eff = jnp.where(cnt > 0, jnp.log(per_key) + c, -jnp.inf)
+  # The per-key level for blockwise_log_bound: cnt * e^{u'} = U_b. Where
+  # e^{u_b - c} underflows (a block hundreds of logits below the best) the
+  # estimate is 0 or subnormal and says nothing: keep the sure bound u_b.
+  # The minimum of a sure and a (1 - delta) bound is a (1 - delta) bound.
+  tiny = jnp.finfo(dt).tiny
+  u_eff = jnp.where(per_key >= tiny, jnp.minimum(jnp.log(per_key) + c, u), u)
+  u_eff = jnp.where(cnt > 0, u_eff, -jnp.inf)
+  log_mass = u_eff + jnp.log(jnp.maximum(cnt, 1).astype(dt))
   return log_mass, u_eff
 
 

@@ -20,8 +20,9 @@ def _truth(q, k, keep, mask, scale):
   """float64 tau of the kept set, per row."""
   s = np.einsum("rd,rnd->rn", q.astype(np.float64), k.astype(np.float64))
   s = np.where(mask, s * scale, -np.inf)
-  e = np.exp(s - s.max(-1, keepdims=True))
-  return (e * ~keep).sum(-1) / e.sum(-1)
+  with np.errstate(invalid="ignore"):  # all-masked rows give NaN, unused
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return (e * ~keep).sum(-1) / e.sum(-1)
 
 
 def _clustered(seed, r, n, d, spread=3.0):
@@ -63,6 +64,26 @@ class SearchTest(parameterized.TestCase):
       self.assertGreaterEqual(float(cert.tv_bound[r]), tau[r])
       self.assertLessEqual(float(cert.tv_bound[r]), eps)
       self.assertLessEqual(int(cert.k_kept[r]), int(cert.keys_scored[r]))
+
+  @parameterized.parameters("exact", "delta", "mc")
+  def test_blocks_far_below_the_best_stay_sound(self, search):
+    # One key ~179 logits above the rest: e^{u_b - u_max} underflows in
+    # float32 (CI once found MC returning NaN here). The bound must stay a
+    # finite number >= the float64 truth (~1e-76), rounded up to tiny.
+    q = np.zeros((2, D), np.float32)
+    q[1, 0] = -20.0
+    k = np.full((2, N, D), 20.0, np.float32)
+    k[1, 0, 0] = 0.0
+    policy = jaxtopk.Certified(0.01, search=search, block_size=BS)
+    sel = jaxtopk.certified_search(
+      q, k, policy=policy, values=k, key=jax.random.key(0)
+    )
+    cert = sel.certificate
+    tau = _truth(q, k, np.asarray(sel.keep), np.ones((2, N), bool), D**-0.5)
+    self.assertTrue(np.all(np.isfinite(cert.tv_bound)))
+    self.assertTrue(np.all(np.asarray(cert.tv_bound, np.float64) >= tau))
+    self.assertTrue(np.all(np.isfinite(cert.output_error_bound)))
+    self.assertEqual(int(cert.k_kept[1]), 1)
 
   # MC pays num_samples per non-empty block up front (counted).
   @parameterized.parameters(
