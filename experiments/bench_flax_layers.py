@@ -191,7 +191,9 @@ def main(argv):
     _REPEATS.value,
     only=_ONLY.value,
   )
-  record["command"] = " ".join(sys.argv)
+  record["command"] = " ".join(
+    ["python -m experiments.bench_flax_layers", *sys.argv[1:]]
+  )
   with open(_OUT.value, "w") as f:
     json.dump(record, f, indent=2)
   print(json.dumps(record, indent=2))

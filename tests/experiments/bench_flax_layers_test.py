@@ -2,12 +2,14 @@
 
 import json
 
+import pytest
 from absl.testing import absltest
 
 from experiments import bench_flax_layers
 
 
 class BenchFlaxLayersTest(absltest.TestCase):
+  @pytest.mark.slow
   def test_smoke_run_writes_record(self):
     # Two of the four layers (compiles dominate on a shared CPU).
     record = bench_flax_layers.run(
