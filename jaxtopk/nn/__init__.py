@@ -1,11 +1,18 @@
 """jaxtopk.nn: Flax layers and models."""
 
+from jaxtopk.nn._attention import CertificateVariable
+from jaxtopk.nn._attention import CertifiedTopKAttention
+from jaxtopk.nn._attention_fn import certified_attention
+from jaxtopk.nn._attention_fn import topk_attention_fn
 from jaxtopk.nn._attention_rows import minilm_attention_rows
 from jaxtopk.nn._attention_rows import minilm_qk_weights
 from jaxtopk.nn._bert import AttentionTrace
 from jaxtopk.nn._bert import BertEncoder
 from jaxtopk.nn._bert import MiniLM
 from jaxtopk.nn._bert_config import BertConfig
+from jaxtopk.nn._certificates import collect_certificates
+from jaxtopk.nn._certificates import per_head_report
+from jaxtopk.nn._linen import topk_attention_linen
 from jaxtopk.nn._minilm import load_bert_weights
 from jaxtopk.nn._minilm import load_minilm
 from jaxtopk.nn._minilm import minilm_model_dir

@@ -1,0 +1,370 @@
+"""CertifiedTopKAttention: nnx.MultiHeadAttention running certified Top-k.
+
+The layer IS an ``nnx.MultiHeadAttention`` (a subclass): the same constructor
+arguments, the same submodules (``query``, ``key``, ``value``, ``out``,
+``query_ln``, ``key_ln``) and parameter shapes, so weights move between the
+two with ``nnx.update(layer, nnx.state(other, nnx.Param))`` unchanged. What it
+adds:
+
+- ``policy``: which keys each query keeps (THEORY 8.1; jaxtopk policies);
+- ``implementation``: ``'xla'``, ``'pallas'`` or None, passed to
+  ``jaxtopk.topk_attention``;
+- the Certificate of the last call (THEORY 6.5), kept on the module in a
+  ``CertificateVariable`` named ``last_certificate`` and, under
+  ``nnx.capture(model, nnx.Intermediate)``, also sown as ``'certificate'``.
+  ``jaxtopk.nn.collect_certificates(model)`` reads them per layer.
+
+Decode mode (``decode=True`` after ``init_cache``) feeds one token at a time,
+as nnx.MultiHeadAttention does, but the cache is a ``jaxtopk.KVCache``
+(head-major keys and values with per-block key boxes and value norms, DESIGN
+"one decode step") held in ``self.kv_cache``, and each step runs
+``jaxtopk.decode_attention`` over it: Top-k without a full pass over the
+values, and Delta-/MC-Search that skips cache blocks (THEORY 6.2/6.3). A step
+given an extra ``mask`` runs ``jaxtopk.topk_attention`` over the cache
+instead (``decode_attention`` takes no mask).
+"""
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx import rnglib
+from flax.nnx.module import first_from
+
+from jaxtopk.attention import KVCache
+from jaxtopk.attention import decode_attention
+from jaxtopk.attention import init_kv_cache
+from jaxtopk.attention import kv_cache_update
+from jaxtopk.nn._attention_fn import certified_attention
+from jaxtopk.nn._attention_fn import check_implementation
+from jaxtopk.nn._attention_fn import check_policy
+from jaxtopk.nn._attention_fn import flatten_batch
+from jaxtopk.nn._attention_fn import topk_attention_fn
+from jaxtopk.selection import Certificate
+from jaxtopk.selection import Certified
+from jaxtopk.selection import Policy
+
+CERTIFICATE_NAME = "certificate"
+CERTIFICATES_COLLECTION = "certificates"
+DEFAULT_BLOCK_SIZE = 64  # cache summary block when the policy sets none
+
+
+@nnx.register_variable_name(CERTIFICATES_COLLECTION, overwrite=True)
+class CertificateVariable(nnx.Intermediate):
+  """Holds the Certificate of a layer's last call (or None before the first).
+
+  A subclass of ``nnx.Intermediate``, so ``nnx.state(model, nnx.Intermediate)``
+  and ``nnx.pop`` see it, and filters can single it out. Its Linen collection
+  (through ``nnx.bridge``) is ``'certificates'``.
+  """
+
+
+class CertifiedTopKAttention(nnx.MultiHeadAttention):
+  """Multi-head attention over the keys a jaxtopk policy keeps, certified.
+
+  Mirrors ``nnx.MultiHeadAttention`` argument for argument (see its docs for
+  the shared ones), without ``attention_fn`` (fixed to Top-k) and with:
+
+  Args:
+    num_heads: number of query heads; divides ``qkv_features``.
+    in_features: input features of the query.
+    qkv_features: total query/key/value features (default ``in_features``).
+    out_features: output features (default ``in_features``).
+    num_kv_heads: key/value heads for GQA; divides ``num_heads``.
+    in_kv_features: input features of keys/values (default ``in_features``).
+    policy: the selection policy: ``jaxtopk.Dense()``, ``FixedK(topk)``,
+      ``Ratio(rho)``, ``PowerLaw(alpha, c)`` or ``Certified(eps, ...)``.
+    implementation: ``'xla'``, ``'pallas'`` or None (library default).
+    dropout_rate: accepted for compatibility; attention-weight dropout is not
+      supported by Top-k attention, so a call that would apply it raises.
+    **kwargs: every other keyword of ``nnx.MultiHeadAttention`` (``dtype``,
+      ``param_dtype``, ``precision``, initialisers, ``use_bias``,
+      ``normalize_qk``, ``decode``, ``rngs``, ...). ``precision`` applies to
+      the projections; the attention core computes logits in float32.
+
+  Raises:
+    TypeError: ``policy`` is not a jaxtopk policy.
+    ValueError: heads do not divide features, unknown ``implementation``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxtopk
+    >>> from flax import nnx
+    >>> layer = jaxtopk.nn.CertifiedTopKAttention(
+    ...     num_heads=2, in_features=6, policy=jaxtopk.Dense(),
+    ...     decode=False, rngs=nnx.Rngs(0))
+    >>> y = layer(jnp.ones((3, 5, 6)))
+    >>> y.shape, layer.last_certificate.get_value().tv_bound.shape
+    ((3, 5, 6), (3, 5, 2))
+  """
+
+  def __init__(
+    self,
+    num_heads: int,
+    in_features: int,
+    qkv_features: int | None = None,
+    out_features: int | None = None,
+    num_kv_heads: int | None = None,
+    in_kv_features: int | None = None,
+    *,
+    policy: Policy,
+    implementation: str | None = None,
+    rngs: rnglib.Rngs,
+    **kwargs: Any,
+  ):
+    check_policy(policy)
+    check_implementation(implementation)
+    if "attention_fn" in kwargs:
+      raise TypeError(
+        "CertifiedTopKAttention fixes attention_fn; pass policy= instead, "
+        "or use nnx.MultiHeadAttention(attention_fn=topk_attention_fn(...))"
+      )
+    for name, value in (
+      ("num_heads", num_heads),
+      ("num_kv_heads", num_kv_heads),
+    ):
+      if value is not None and not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"{name}={value!r} must be an int >= 1")
+    super().__init__(
+      num_heads,
+      in_features,
+      qkv_features,
+      out_features,
+      num_kv_heads,
+      in_kv_features,
+      attention_fn=topk_attention_fn(policy, implementation=implementation),
+      rngs=rngs,
+      **kwargs,
+    )
+    self.policy = policy
+    self.implementation = implementation
+    self.last_certificate = CertificateVariable(None)
+    self.kv_cache: nnx.Cache[KVCache] | None = nnx.data(None)
+    # MC-Search (THEORY 6.3) samples keys in decode: its own rng stream,
+    # split off after the parameters so they match nnx.MultiHeadAttention's.
+    self.search_rngs = (
+      nnx.Rngs(search=rngs.params())
+      if isinstance(policy, Certified) and policy.search == "mc"
+      else nnx.data(None)
+    )
+
+  def __call__(
+    self,
+    inputs_q: jax.Array,
+    inputs_k: jax.Array | None = None,
+    inputs_v: jax.Array | None = None,
+    *,
+    mask: jax.Array | None = None,
+    deterministic: bool | None = None,
+    rngs: rnglib.Rngs | rnglib.RngStream | None = None,
+    sow_weights: bool = False,
+    decode: bool | None = None,
+    is_causal: bool = False,
+    out_sharding=None,
+    qkv_sharding=None,
+  ) -> jax.Array:
+    """Applies certified Top-k multi-head attention.
+
+    Args:
+      inputs_q: ``[batch..., q_len, in_features]``.
+      inputs_k: ``[batch..., kv_len, in_kv_features]`` (default inputs_q).
+      inputs_v: ``[batch..., kv_len, in_kv_features]`` (default inputs_k).
+      mask: broadcastable to ``[batch..., num_heads, q_len, kv_len]``; True
+        (non-zero) = attend.
+      deterministic: as nnx.MultiHeadAttention; must be True (or dropout_rate
+        0) since Top-k attention has no weight dropout.
+      rngs: unused (no dropout); accepted for signature compatibility.
+        MC-Search decode draws from the layer's own ``search_rngs``.
+      sow_weights: must be False: Top-k attention never forms the dense
+        weights. Certificates are always recorded instead.
+      decode: use the autoregressive cache (one token per call); ``mask``
+        then broadcasts to ``[batch..., num_heads, 1, max_len]``.
+      is_causal: causal mask over the sequence (ignored in decode mode, where
+        the cache mask is causal by construction).
+      out_sharding: sharding of the output projection.
+      qkv_sharding: sharding of the q/k/v projections.
+
+    Returns:
+      ``[batch..., q_len, out_features]``. The call's Certificate (arrays
+      ``[batch..., q_len, num_heads]``) is in ``self.last_certificate``.
+
+    Raises:
+      ValueError: decode without ``init_cache``, wrong input features or
+        cache shape, ``sow_weights=True``.
+      NotImplementedError: dropout would be applied.
+    """
+    del rngs
+    if sow_weights:
+      raise ValueError(
+        "sow_weights=True: Top-k attention never forms dense attention "
+        "weights; its Certificate is recorded in last_certificate instead"
+      )
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError("inputs_k cannot be None if inputs_v is not None")
+      inputs_k = inputs_q
+    if inputs_v is None:
+      inputs_v = inputs_k
+    if inputs_q.shape[-1] != self.in_features:
+      raise ValueError(
+        f"inputs_q.shape[-1]={inputs_q.shape[-1]} must equal "
+        f"in_features={self.in_features}"
+      )
+    query = self.query(inputs_q, out_sharding=qkv_sharding)
+    key = self.key(inputs_k, out_sharding=qkv_sharding)
+    value = self.value(inputs_v, out_sharding=qkv_sharding)
+    if self.normalize_qk:
+      query = self.query_ln(query)
+      key = self.key_ln(key)
+
+    decode = first_from(
+      decode,
+      self.decode,
+      error_msg="No `decode` argument was given to CertifiedTopKAttention "
+      "as a __call__ argument, constructor argument or nnx flag.",
+    )
+    if decode:
+      x, cert = self._decode_step(query, key, value, mask)
+      self._record(cert)
+      return self.out(x, out_sharding=out_sharding)
+
+    if self.dropout_rate > 0.0:
+      deterministic = first_from(
+        deterministic,
+        self.deterministic,
+        error_msg="No `deterministic` argument was given to "
+        "CertifiedTopKAttention (needed since dropout_rate > 0).",
+      )
+      if not deterministic:
+        raise NotImplementedError(
+          f"dropout_rate={self.dropout_rate} with deterministic=False: "
+          "attention-weight dropout is not supported by Top-k attention"
+        )
+
+    x, cert = certified_attention(
+      query,
+      key,
+      value,
+      policy=self.policy,
+      mask=mask,
+      is_causal=is_causal,
+      dtype=self.dtype,
+      implementation=self.implementation,
+    )
+    self._record(cert)
+    return self.out(x, out_sharding=out_sharding)
+
+  def _record(self, cert: Certificate) -> None:
+    self.last_certificate.set_value(cert)
+    if hasattr(self, "__captures__"):  # inside nnx.capture
+      self.sow(nnx.Intermediate, CERTIFICATE_NAME, cert)
+
+  def init_cache(self, input_shape, dtype=jnp.float32, *, block_size=None):
+    """Allocates an empty decode cache (a ``jaxtopk.KVCache``).
+
+    Args:
+      input_shape: ``(*batch, max_length, features)``, as for
+        ``nnx.MultiHeadAttention.init_cache``; batch axes are flattened
+        inside the cache.
+      dtype: storage dtype of cached keys and values.
+      block_size: positions per key-summary block; default the policy's
+        ``block_size`` for Certified, else 64 (at most ``max_length``). The
+        capacity is rounded up to a multiple of it.
+    """
+    *batch, max_length, _ = input_shape
+    if block_size is None:
+      if isinstance(self.policy, Certified):
+        block_size = self.policy.block_size
+      else:
+        block_size = min(DEFAULT_BLOCK_SIZE, max_length)
+    capacity = -(-max_length // block_size) * block_size
+    self.kv_cache = nnx.Cache(
+      init_kv_cache(
+        math.prod(batch),
+        capacity,
+        self.num_kv_heads,
+        self.head_dim,
+        block_size=block_size,
+        dtype=dtype,
+      )
+    )
+
+  def set_view(
+    self,
+    deterministic=None,
+    decode=None,
+    batch_size=None,
+    max_length=None,
+  ):
+    """Used by ``nnx.view``: sets modes and, for decode, allocates a cache."""
+    if deterministic is not None:
+      self.deterministic = deterministic
+    if decode is not None:
+      self.decode = decode
+      if decode and self.kv_cache is None:
+        if batch_size is None or max_length is None:
+          raise TypeError(
+            "batch_size and max_length are needed to initialise the cache; "
+            f"got {batch_size=}, {max_length=}"
+          )
+        if isinstance(batch_size, int):
+          batch_size = (batch_size,)
+        self.init_cache(
+          (*batch_size, max_length, self.in_features),
+          dtype=self.dtype or jnp.float32,
+        )
+
+  def _decode_step(self, query, key, value, mask):
+    """Appends one step to the cache and attends over it."""
+    if self.kv_cache is None:
+      raise ValueError(
+        "decode=True but the autoregressive cache is not initialised: call "
+        "init_cache(input_shape) first"
+      )
+    cache = self.kv_cache.get_value()
+    batch = query.shape[:-3]
+    flat = math.prod(batch)
+    expected = (*batch, 1, self.num_kv_heads, self.head_dim)
+    if key.shape != expected or flat != cache.keys.shape[0]:
+      raise ValueError(
+        f"decode feeds one token per call: key.shape={key.shape} must be "
+        f"{expected} with {cache.keys.shape[0]} sequences in the cache"
+      )
+    query, key, value = (
+      jnp.reshape(a, (flat,) + a.shape[len(batch) :])
+      for a in (query, key, value)
+    )  # [b, 1, heads, head_dim]
+    if self.dtype is not None:
+      query = query.astype(self.dtype)
+    cache = kv_cache_update(cache, key, value)
+    self.kv_cache.set_value(cache)
+    if mask is None:
+      rng = None if self.search_rngs is None else self.search_rngs.search()
+      x, cert = decode_attention(
+        query,
+        cache,
+        policy=self.policy,
+        implementation=self.implementation,
+        key=rng,
+      )
+    else:
+      # decode_attention takes no mask: attend over the whole cache with
+      # the user's mask and the filled positions (one transpose per step).
+      mask = flatten_batch(jnp.asarray(mask) != 0, batch, 3)
+      pad = cache.max_len - mask.shape[-1]  # capacity rounded up to blocks
+      if pad > 0:
+        mask = jnp.pad(mask, ((0, 0),) * 3 + ((0, pad),))
+      filled = cache.valid()[:, :, None, :]  # [b, 1, 1, max_len]
+      x, cert = certified_attention(
+        query,
+        jnp.swapaxes(cache.keys, 1, 2),  # [b, max_len, kv_heads, d]
+        jnp.swapaxes(cache.values, 1, 2),
+        policy=self.policy,
+        mask=jnp.logical_and(mask, filled),
+        implementation=self.implementation,
+      )
+    x = jnp.reshape(x, (*batch, *x.shape[1:]))
+    cert = jax.tree.map(lambda a: jnp.reshape(a, (*batch, *a.shape[1:])), cert)
+    return x, cert

@@ -1,0 +1,26 @@
+"""The usage examples in jaxtopk.nn docstrings run and print what they say."""
+
+import doctest
+
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from jaxtopk.nn import _attention
+from jaxtopk.nn import _attention_fn
+from jaxtopk.nn import _certificates
+from jaxtopk.nn import _linen
+
+
+class DocstringExampleTest(parameterized.TestCase):
+  @parameterized.named_parameters(
+    (m.__name__.rsplit(".", 1)[-1], m)
+    for m in (_attention, _attention_fn, _certificates, _linen)
+  )
+  def test_examples(self, module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    self.assertGreater(result.attempted, 0)
+    self.assertEqual(result.failed, 0)
+
+
+if __name__ == "__main__":
+  absltest.main()
