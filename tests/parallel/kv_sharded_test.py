@@ -132,7 +132,7 @@ class SoundnessTest(parameterized.TestCase):
     ("ratio_2x7_bf16", Ratio(0.2), 2, 14, jnp.bfloat16),
     ("certified_3x5_bf16", Certified(0.01), 3, 15, jnp.bfloat16),
   )
-  @hypothesis.settings(max_examples=25)
+  @hypothesis.settings(max_examples=15)
   @hypothesis.given(
     seed=st.integers(0, 2**16),
     log_q_scale=st.floats(-2.0, 2.5),
