@@ -5,6 +5,7 @@ a certificate bounding the softmax mass (total variation) it dropped.
 """
 
 from jaxtopk import nn
+from jaxtopk import parallel
 from jaxtopk import theory
 from jaxtopk.attention import KVCache
 from jaxtopk.attention import decode_attention

@@ -1,1 +1,35 @@
-"""jaxtopk.parallel."""
+"""Scale out: meshes, shard_map, and sharded certified Top-k attention.
+
+DESIGN.md layer 6. Batch and head sharding are embarrassingly parallel;
+key-sequence sharding keeps ONE global selection and ONE global, sound
+certificate per row (see ``_kv_sharded.py`` and ``_global_select.py``).
+"""
+
+from jaxtopk.parallel._compat import shard_map
+from jaxtopk.parallel._decode import cache_shardings
+from jaxtopk.parallel._decode import sharded_decode_attention
+from jaxtopk.parallel._global_select import global_certified_keep
+from jaxtopk.parallel._global_select import global_topk_keep
+from jaxtopk.parallel._hlo import Collective
+from jaxtopk.parallel._hlo import collectives
+from jaxtopk.parallel._hlo import communication_summary
+from jaxtopk.parallel._kv_sharded import kv_shard_attention
+from jaxtopk.parallel._kv_sharded import make_sharded_attention
+from jaxtopk.parallel._kv_sharded import sharded_topk_attention
+from jaxtopk.parallel._mesh import AXES
+from jaxtopk.parallel._mesh import DATA
+from jaxtopk.parallel._mesh import HEADS
+from jaxtopk.parallel._mesh import KV
+from jaxtopk.parallel._mesh import attention_specs
+from jaxtopk.parallel._mesh import axis_or_none
+from jaxtopk.parallel._mesh import define_mesh_flag
+from jaxtopk.parallel._mesh import make_mesh
+from jaxtopk.parallel._mesh import maybe_initialize_distributed
+from jaxtopk.parallel._mesh import mesh_from_flag
+from jaxtopk.parallel._mesh import parse_mesh_flag
+from jaxtopk.parallel._mesh import shard_attention_inputs
+from jaxtopk.parallel._rules import ATTENTION_RULES
+from jaxtopk.parallel._rules import activation_sharding
+from jaxtopk.parallel._rules import param_shardings
+from jaxtopk.parallel._rules import partition_spec
+from jaxtopk.parallel._rules import shard_module
