@@ -76,6 +76,39 @@ def gaussian_qk(key, *, groups, queries, n, head_dim, sigma) -> Rows:
   )
 
 
+def clustered_qk(
+  key, *, groups, queries, n, head_dim, sigma, block_size, spread
+) -> Rows:
+  """Gaussian q and keys clustered by contiguous block (locality).
+
+  Block b's keys are k = sigma (c_b + spread z) / sqrt(1 + spread^2) with a
+  per-block centre c_b ~ N(0, I_d) and z ~ N(0, I_d), so logits still have
+  std about sigma, but keys of one block are close to each other: the
+  situation (e.g. neighbouring tokens) where block summaries are tight.
+  """
+  kq, kc, kz, kv = jax.random.split(key, 4)
+  nb = -(-n // block_size)
+  q = jax.random.normal(kq, (groups, queries, head_dim))  # [G, q, d]
+  c = jax.random.normal(kc, (groups, nb, head_dim))  # [G, nb, d]
+  c = jnp.repeat(c, block_size, axis=1)[:, :n]  # [G, s, d]
+  z = jax.random.normal(kz, (groups, n, head_dim))  # [G, s, d]
+  k = sigma * (c + spread * z) / math.sqrt(1 + spread**2)  # [G, s, d]
+  v = jax.random.normal(kv, (groups, n, head_dim))  # [G, s, d]
+  scale = 1.0 / math.sqrt(head_dim)
+  logits = jnp.einsum("gqd,gsd->gqs", q, k) * scale  # [G, q, s]
+  return Rows(
+    logits=np.asarray(logits, np.float32),
+    key_mask=np.ones((groups, n), bool),
+    query_mask=np.ones((groups, queries), bool),
+    queries=np.asarray(q, np.float32),
+    keys=np.asarray(k, np.float32),
+    values=np.asarray(v, np.float32),
+    layer=np.zeros((groups,), np.int32),
+    scale=scale,
+    source=f"clustered(sigma={sigma}, spread={spread})",
+  )
+
+
 def np_log_tail_mass64(logits, keep, mask) -> np.ndarray:
   """float64 log tau (THEORY 2.5) in numpy: the truth bounds are held to.
 

@@ -192,12 +192,32 @@ def minilm_part(config, writer):
   # [NC]'s definition); B = largest |entry| of the layer's real inputs.
   a = _data.minilm_arrays(cfg.num_passages, max(cfg.max_lens))
   key_mask = np.asarray(a["key_mask"], bool)  # [B, S]
+  # Each head's mean ineffective fraction at the longest n, beside its R.
+  rows = _data.minilm_rows(cfg.num_passages, max(cfg.max_lens))
+  e0 = config.effective_eps[0]
+  ineff = np.asarray(
+    theory.ineffective_fraction(
+      jnp.asarray(rows.logits), e0, mask=jnp.asarray(rows.real_row_mask())
+    )
+  )  # [G, q]
+  num_layers, num_heads = a["w_q"].shape[:2]
+  per_group = np.nanmean(np.where(rows.query_mask, ineff, np.nan), -1)
+  per_head = per_group.reshape(num_layers, -1, num_heads).mean(1)  # [L, H]
   r_recs = []
-  for layer in range(a["w_q"].shape[0]):
+  for layer in range(num_layers):
     b = float(np.abs(a["inputs"][layer][key_mask]).max())
     rs = np.asarray(theory.weight_scale_R(a["w_q"][layer], a["w_k"][layer], b))
     for h, r in enumerate(rs):
-      r_recs.append(writer.write("minilm_R", layer=layer, head=h, B=b, R=r))
+      r_recs.append(
+        writer.write(
+          "minilm_R",
+          layer=layer,
+          head=h,
+          B=b,
+          R=r,
+          **{f"ineffective@{e0}": per_head[layer, h]},
+        )
+      )
   return sparsity, r_recs
 
 
@@ -252,7 +272,10 @@ def plot(config, sparsity, policy_recs, minilm, workdir):
         "o-",
         label=f"layer {layer}",
       )
-    ax.set_xscale("log")
+    ax.set_xscale("log", base=2)
+    lens = sorted({r["mean_n"] for r in minilm})
+    ax.set_xticks(lens, [f"{x:.0f}" for x in lens])
+    ax.minorticks_off()
     ax.legend(fontsize=5)
   ax.set_xlabel("n (tokens)")
   ax.set_ylabel(f"|S_eps|, eps={e0}")
@@ -284,6 +307,10 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
   ]
   if minilm:
     rs = np.array([r["R"] for r in r_recs])
+    e0 = config.effective_eps[0]
+    fr = np.array([r[f"ineffective@{e0}"] for r in r_recs])
+    rank = lambda x: np.argsort(np.argsort(x))
+    spearman = np.corrcoef(rank(rs), rank(fr))[0, 1]
     lines += [
       "",
       "MiniLM per layer (real text)",
@@ -292,7 +319,9 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
       ),
       "",
       f"MiniLM R = B^2 ||W_Q^h W_K^h^T||_F over {len(rs)} heads: min"
-      f" {rs.min():.4g}, median {np.median(rs):.4g}, max {rs.max():.4g}",
+      f" {rs.min():.4g}, median {np.median(rs):.4g}, max {rs.max():.4g};"
+      f" Spearman correlation of R with the head's ineffective fraction"
+      f" (eps={e0}, n={max(config.minilm.max_lens)}): {spearman:.3f}",
     ]
   _common.write_summary(workdir, "\n".join(lines))
   return {

@@ -171,8 +171,9 @@ def plot(scatters, workdir, points, seed):
       ax.scatter(
         real[draw], b[draw], s=2, alpha=0.3, color=f"C{i}", label=f"rho={rho}"
       )
-    lo = 1e-6
-    ax.plot([lo, 10], [lo, 10], "k-", lw=0.7)
+    reals = np.concatenate([sc[name][0] for sc in scatters.values()])
+    lo, hi = reals[reals > 0].min(), reals.max()
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.7)  # bound = real error
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("real ||Attn - Attn_k||")

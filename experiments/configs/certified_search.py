@@ -28,6 +28,9 @@ def get_config(arg=None):
   s.groups = 4  # Independent key sets per sigma.
   s.queries = 16  # Query rows per key set.
   s.block_size = 64  # Keys per block of the search.
+  # Also run on keys clustered by block: k = sigma (c_b + spread z) /
+  # sqrt(1 + spread^2) with a per-block centre c_b; 0 turns this source off.
+  s.cluster_spread = 0.1
 
   # Real rows: all-MiniLM-L6-v2, every layer and head, on real text.
   c.minilm = m = ml_collections.ConfigDict()

@@ -91,6 +91,9 @@ class KEpsScalingSmokeTest(absltest.TestCase):
       "experiments.k_eps_scaling",
       f"--config={REPO}/experiments/configs/k_eps_scaling.py:smoke",
       "--config.minilm.enabled=False",
+      # Config overrides from the command line; one point keeps it short.
+      "--config.gaussian.ns=(512,)",
+      "--config.gaussian.sigmas=(1.0,)",
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     first = subprocess.run(
@@ -99,6 +102,9 @@ class KEpsScalingSmokeTest(absltest.TestCase):
     self.assertEqual(first.returncode, 0, first.stderr[-3000:])
     workdir = cwd / "workdirs" / "k_eps_scaling"
     self.assertTrue((workdir / "metrics.jsonl").is_file())
+    saved = json.loads((workdir / "config.json").read_text())
+    self.assertEqual(saved["gaussian"]["ns"], [512])
+    self.assertLen(_common.read_metrics(workdir, "gaussian"), 2)
     self.assertIn("rule", first.stdout)
     second = subprocess.run(
       cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240
@@ -199,7 +205,7 @@ class CertifiedSearchSmokeTest(absltest.TestCase):
     records = _common.read_metrics(workdir, "search")
     self.assertLen(
       records,
-      (len(config.synthetic.sigmas) + 1)
+      (2 * len(config.synthetic.sigmas) + 1)
       * len(config.epss)
       * len(config.searches),
     )
@@ -219,6 +225,20 @@ class CertifiedSearchSmokeTest(absltest.TestCase):
         self.assertGreaterEqual(r["kept_frac"], r["k_eps_frac"] - 1e-9, r)
       if r["search"] == "exact":
         self.assertAlmostEqual(r["scored_frac"], 1.0)
+    gaps = {
+      r["source"]: r for r in _common.read_metrics(workdir, "block_bound")
+    }
+    self.assertEqual(set(gaps), {r["source"] for r in records})
+    for r in gaps.values():
+      # Sound block bounds: u_b >= every real logit of its block.
+      self.assertGreaterEqual(r["p10_gap"], 0.0, r)
+      self.assertBetween(r["frac_blocks_above_row_max"], 0.0, 1.0)
+    # Keys clustered by block give tighter block bounds than iid keys.
+    sigma = config.synthetic.sigmas[0]
+    self.assertLess(
+      gaps[f"clustered sigma={sigma}"]["median_gap"],
+      gaps[f"gaussian sigma={sigma}"]["median_gap"],
+    )
 
 
 if __name__ == "__main__":
