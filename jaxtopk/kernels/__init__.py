@@ -4,6 +4,9 @@ Every kernel has a public wrapper (``interpret=`` for CPU), a frozen
 ``BlockSizes`` and a pure-jnp ``*_reference``.
 """
 
+from jaxtopk.kernels._backend import pallas_decode_attention
+from jaxtopk.kernels._backend import pallas_topk_attention
+from jaxtopk.kernels._backend import register as _register
 from jaxtopk.kernels._block_stats import BlockSizes as BlockStatsSizes
 from jaxtopk.kernels._block_stats import BlockStats
 from jaxtopk.kernels._block_stats import block_stats
@@ -26,3 +29,5 @@ from jaxtopk.kernels._sparse_flash import (
 )
 from jaxtopk.kernels._sparse_flash import sparse_flash_attention
 from jaxtopk.kernels._sparse_flash import sparse_flash_attention_reference
+
+_register()

@@ -69,6 +69,25 @@ class LoweringTest(parameterized.TestCase):
     )
     self.assertIn("jaxtopk_sparse_flash", text)
 
+  @parameterized.product(platform=_PLATFORMS, dtype=[jnp.float32, jnp.bfloat16])
+  def test_certified_decode(self, platform, dtype):
+    plat, backend = platform
+    fn = functools.partial(
+      kernels.certified_decode,
+      eps=0.01,
+      backend=backend,
+      block_sizes=kernels.DecodeSizes(128, 4),
+    )
+    text = _export(
+      lambda q, k, v, m: fn(q, k, v, mask=m),
+      plat,
+      S((B, H, D), dtype),
+      S((B, HKV, 4 * NK, D), dtype),
+      S((B, HKV, 4 * NK, D), dtype),
+      S((B, 4 * NK), bool),
+    )
+    self.assertIn("jaxtopk_certified_decode", text)
+
   def test_bad_tiling_is_caught(self):
     # block_q = 24 is not a power of 2, which Triton requires.
     fn = functools.partial(

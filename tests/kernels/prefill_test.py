@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 
@@ -84,6 +85,7 @@ class PrefillCertificateTest(base.KernelTestCase):
     self.assertTrue(np.all(tv >= tau))
     self.assertGreater(tv.max(), 0.001)  # the cap broke the budget: said so
 
+  @pytest.mark.slow
   def test_adversarial_rows(self):
     # One batch row per case: ties, repeated keys, huge logits, a single real
     # key, and no real key at all (invalid certificate).

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 
@@ -96,8 +97,9 @@ class SparseFlashTest(base.KernelTestCase):
     np.testing.assert_allclose(o, dense, **tolerances.tol(jnp.float32))
     self.assertTrue(bool(jnp.all(jnp.isfinite(lse))))
 
-  @parameterized.parameters("tpu", "gpu")
-  def test_gradients_match_reference(self, backend):
+  @pytest.mark.slow
+  def test_gradients_match_reference(self, backend="gpu"):
+    # One grid style: the backward pass is the same XLA code for both.
     q, k, v, mask = base.planted(
       1, 4, 2, 19, 70, 8, 5, jnp.float32, block_k=BK, block_q=BQ, seed=5
     )
