@@ -39,7 +39,6 @@ from jaxtopk.selection import _search
 from jaxtopk.selection import _select
 from jaxtopk.selection import _threshold
 from jaxtopk.selection._certificate import Certificate
-from jaxtopk.theory import _blockwise
 from jaxtopk.theory import _tail
 
 SUB_BLOCK = 16  # positions per sub-block in the fast Top-k path
@@ -122,9 +121,7 @@ def _logits(query, cache, scale):
 
 def _abs_dot(q, cache, scale):
   """``[b, hk, g]`` bound on scale sum_c |q_c k_c| from the cached boxes."""
-  box = cache.box()
-  box = jax.tree.map(lambda x: x[:, :, None], box)  # broadcast over groups
-  return _search.box_abs_dot(q, box, scale)
+  return _search.box_abs_dot(q, cache.box(), scale)  # q: [b, hk, g, d]
 
 
 def _fixed_count(policy, query, cache, scale):
@@ -146,16 +143,16 @@ def _fixed_count(policy, query, cache, scale):
   denom = jnp.sum(p, -1, keepdims=True)
   out = jnp.einsum("bkgt,bkgtd->bkgd", p, vals.astype(dt))
   out = out / jnp.where(denom > 0, denom, 1.0)
-  # Tail mass of the kept set in one pass: every real key below the
-  # threshold, plus the tied keys that were not kept.
-  mx = jnp.max(jnp.where(valid, s, -jnp.inf), -1, keepdims=True)
-  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  # Tail mass of the kept set in one fused pass over the logits: every real
+  # key below the threshold, plus the tied keys that were not kept. The row
+  # max is the largest kept logit, and Z = Z_kept + Z_tail (no subtraction).
+  mx = jnp.where(jnp.isfinite(m), m, 0.0)[..., 0]  # [b, hk, g]
   t = thresh[..., None]
   below = valid & (s < t)
-  z_all = jnp.sum(jnp.where(valid, jnp.exp(s - mx), 0.0), -1)
-  z_below = jnp.sum(jnp.where(below, jnp.exp(s - mx), 0.0), -1)
+  z_below = jnp.sum(jnp.where(below, jnp.exp(s - mx[..., None]), 0.0), -1)
   n_tie = jnp.sum(valid & (s == t), -1) - jnp.sum(kept & (ks == t), -1)
-  z_tail = z_below + n_tie.astype(dt) * jnp.exp(thresh - mx[..., 0])
+  z_tail = z_below + n_tie.astype(dt) * jnp.exp(thresh - mx)
+  z_all = z_tail + denom[..., 0]
   abs_dot = _abs_dot(q, cache, scale)
   slack = 2 * _certify.logit_rounding(abs_dot, d + 1, dt)
   slack = slack + 8 * jnp.finfo(dt).eps * abs_dot
@@ -209,9 +206,9 @@ def _certified_search(policy, query, cache, scale, rng):
     )
   dt = _tail.compute_dtype(jnp.result_type(query.dtype, cache.keys.dtype))
   q = query.astype(dt).reshape(b, hk, g, d)
-  box = jax.tree.map(lambda x: x[:, :, None], cache.box())
-  u = _blockwise.box_upper_bound(q, box, scale=scale)  # [b, hk, g, nb]
-  cnt = jnp.broadcast_to(box.count, u.shape)
+  box = cache.box()  # [b, hk, nb, d]: einsums broadcast over the groups
+  u = _search.box_upper_bound_dot(q, box, scale=scale)  # [b, hk, g, nb]
+  cnt = jnp.broadcast_to(box.count[:, :, None], u.shape)
   abs_dot = _search.box_abs_dot(q, box, scale)  # [b, hk, g]
   valid = cache.valid()[:, 0]  # [b, n]
   rngs = jax.random.split(rng, (b, hk, g))

@@ -37,7 +37,7 @@ def _certified_search(
   u, cnt, box = _search.block_bounds(
     q, k, v_ok, block_size=bs, scale=scale, use_ball=use_ball
   )
-  abs_dot = _search.box_abs_dot(q, box, scale)  # [r]
+  abs_dot = _search.box_abs_dot(q[:, None], box, scale)[:, 0]  # [r]
   norms = None
   if with_values:
     norms = _certify.value_norms(values).reshape(-1, n)

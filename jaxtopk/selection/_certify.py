@@ -62,8 +62,13 @@ def output_error_bound(tv_bound, head_max_norm, tail_max_norm) -> jax.Array:
   computed output. Attn_k is the exact truncated attention; the rounding of
   the returned (possibly bf16) output is not included.
   """
-  b = tv_bound * (head_max_norm + tail_max_norm)
-  return b * (1 + 8 * jnp.finfo(b.dtype).eps)
+  norm_sum = head_max_norm + tail_max_norm
+  b = tv_bound * norm_sum
+  b = b * (1 + 8 * jnp.finfo(b.dtype).eps)
+  # A positive product can be subnormal, which CPUs flush to 0: round it up
+  # to the smallest normal instead (as finish_certificate does for tv).
+  positive = (tv_bound > 0) & (norm_sum > 0)
+  return jnp.where(positive, jnp.maximum(b, jnp.finfo(b.dtype).tiny), b)
 
 
 def make_certificate(

@@ -146,11 +146,52 @@ def box_abs_dot(query, box, scale) -> jax.Array:
 
   Bounds scale * sum_c |q_c k_c| for every key in a non-empty block, for the
   logit rounding slack (``_certify.logit_rounding``).
+
+  Args:
+    query: ``[..., g, d]``, g queries sharing the keys (GQA group).
+    box: BoxSummary with ``[..., n_blocks, d]`` arrays.
+    scale: positive logit scale.
+
+  Returns:
+    ``[..., g]``.
   """
   a = jnp.maximum(jnp.abs(box.kmin), jnp.abs(box.kmax))  # [..., nb, d]
-  per = jnp.sum(jnp.abs(query)[..., None, :] * a, -1)  # [..., nb]
-  per = jnp.where(box.count > 0, per, 0.0)
-  return scale * jnp.max(per, -1) * (1 + 4 * jnp.finfo(per.dtype).eps)
+  # An einsum, not sum(|q|[..., None, :] * a, -1): XLA:CPU runs that
+  # broadcast-multiply-reduce ~50x slower than the equivalent dot.
+  per = jnp.einsum("...gd,...nd->...gn", jnp.abs(query), a)  # [..., g, nb]
+  per = jnp.where(box.count[..., None, :] > 0, per, 0.0)
+  d = a.shape[-1]
+  return scale * jnp.max(per, -1) * (1 + (d + 4) * jnp.finfo(per.dtype).eps)
+
+
+def box_upper_bound_dot(query, box, *, scale) -> jax.Array:
+  """``theory.box_upper_bound`` written as dot products (same bound).
+
+  sum_c max(q_c m_c, q_c M_c) = q^+ . M - q^- . m with q^+ = max(q, 0) and
+  q^- = max(-q, 0), exactly; the float result gets the same
+  (d + 2) eps sum|terms| dot-product slack and a final relative round-up.
+  On XLA:CPU this runs ~50x faster than the broadcast-multiply-reduce form
+  for decode-sized caches (measured in BUILD_NOTES).
+
+  Args:
+    query: ``[..., g, d]``, g queries sharing the keys (GQA group).
+    box: BoxSummary with ``[..., n_blocks, d]`` arrays.
+    scale: positive logit scale.
+
+  Returns:
+    ``[..., g, n_blocks]`` upper bounds, -inf for empty blocks.
+  """
+  dt = box.kmin.dtype
+  q = query.astype(dt)
+  qp, qm = jnp.maximum(q, 0.0), jnp.maximum(-q, 0.0)
+  ein = lambda x, y: jnp.einsum("...gd,...nd->...gn", x, y)
+  u = ein(qp, box.kmax) - ein(qm, box.kmin)  # [..., nb]
+  abs_terms = ein(qp, jnp.abs(box.kmax)) + ein(qm, jnp.abs(box.kmin))
+  d = q.shape[-1]
+  eps = jnp.finfo(dt).eps
+  u = scale * (u + (d + 3) * eps * abs_terms)
+  u = u + jnp.abs(u) * 2 * eps
+  return jnp.where(box.count[..., None, :] > 0, u, -jnp.inf)
 
 
 def _mc_log_mass_row(q, kb, vb, u, cnt, rng, *, scale, num_samples, delta):
@@ -175,10 +216,14 @@ def _mc_log_mass_row(q, kb, vb, u, cnt, rng, *, scale, num_samples, delta):
   per_key = jnp.minimum(eu, mean + width)
   # Round the estimate up: a mean of m terms in floats.
   per_key = per_key * (1 + (m + 8) * jnp.finfo(dt).eps)
-  log_mass = jnp.log(per_key) + c + jnp.log(jnp.maximum(cnt, 1).astype(dt))
-  log_mass = jnp.where(cnt > 0, log_mass, -jnp.inf)
-  # The per-key level for blockwise_log_bound: cnt * e^{u'} = U_b.
-  u_eff = jnp.where(cnt > 0, jnp.log(per_key) + c, -jnp.inf)
+  # The per-key level for blockwise_log_bound: cnt * e^{u'} = U_b. Where
+  # e^{u_b - c} underflows (a block hundreds of logits below the best) the
+  # estimate is 0 or subnormal and says nothing: keep the sure bound u_b.
+  # The minimum of a sure and a (1 - delta) bound is a (1 - delta) bound.
+  tiny = jnp.finfo(dt).tiny
+  u_eff = jnp.where(per_key >= tiny, jnp.minimum(jnp.log(per_key) + c, u), u)
+  u_eff = jnp.where(cnt > 0, u_eff, -jnp.inf)
+  log_mass = u_eff + jnp.log(jnp.maximum(cnt, 1).astype(dt))
   return log_mass, u_eff
 
 

@@ -26,6 +26,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array
+from jaxtyping import ArrayLike
+from jaxtyping import Bool
+from jaxtyping import Float
+from jaxtyping import Int
 
 from jaxtopk.theory import _rows
 from jaxtopk.theory import _tail
@@ -230,7 +235,8 @@ def blockwise_log_bound_row(
   keep = jnp.asarray(keep, bool) & scored
   u = jnp.asarray(block_upper).astype(s.dtype)
   cnt = jnp.asarray(block_count)
-  has = cnt > 0
+  # A block whose bound is -inf provably holds no mass (NaN still counts).
+  has = (cnt > 0) & (u != -jnp.inf)
   # Unscored block b contributes |B_b| e^{u_b}: one term u_b + log|B_b|.
   ub = u + jnp.log(jnp.maximum(cnt, 1).astype(s.dtype))
   # Reference: the largest term of either kind; NaN / +inf propagate.
@@ -259,7 +265,13 @@ def blockwise_log_bound_row(
 
 
 @jax.jit
-def logit_rounding_bound(query, keys, *, scale, mask=None) -> jax.Array:
+def logit_rounding_bound(
+  query: Float[ArrayLike, "*b d"],
+  keys: Float[ArrayLike, "*b n d"],
+  *,
+  scale,
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+) -> Float[Array, "*b"]:
   """Bound on |float logit - exact logit| over a row's keys (THEORY 3.4).
 
   A d-term float dot product, then the scale, is off by at most
@@ -288,8 +300,15 @@ def logit_rounding_bound(query, keys, *, scale, mask=None) -> jax.Array:
 
 
 def blockwise_log_bound(
-  logits, keep, scored, block_upper, block_count, mask=None, *, logit_error=None
-) -> jax.Array:
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  scored: Bool[ArrayLike, "*b n"],
+  block_upper: Float[ArrayLike, "*b nb"],
+  block_count: Int[ArrayLike, "*b nb"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  logit_error: Float[ArrayLike, "*b"] | None = None,
+) -> Float[Array, "*b"]:
   """log of the blockwise tail bound over any leading axes (THEORY 3.3).
 
   Args:
@@ -342,8 +361,15 @@ def blockwise_log_bound(
 
 
 def blockwise_bound(
-  logits, keep, scored, block_upper, block_count, mask=None, *, logit_error=None
-) -> jax.Array:
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  scored: Bool[ArrayLike, "*b n"],
+  block_upper: Float[ArrayLike, "*b nb"],
+  block_count: Int[ArrayLike, "*b nb"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  logit_error: Float[ArrayLike, "*b"] | None = None,
+) -> Float[Array, "*b"]:
   """Upper bound on tau from scored keys plus unscored block bounds.
 
   THEORY 3.3: tau <= U / (Z_H + U) with
@@ -353,9 +379,11 @@ def blockwise_bound(
   the arguments.
 
   Returns:
-    ``[...]`` upper bound on tau in float32 (float64 for float64 input).
+    ``[...]`` upper bound on tau in float32 (float64 for float64 input); at
+    least the smallest normal number when positive (XLA flushes subnormals),
+    so use ``blockwise_log_bound`` for tiny tails.
   """
-  return jnp.exp(
+  return _rows.exp_up(
     blockwise_log_bound(
       logits,
       keep,

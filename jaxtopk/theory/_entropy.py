@@ -5,8 +5,11 @@ H = log Z' - sum_i P_i (s_i - ref) with every sum relative to the row's
 largest logit (no P log P of underflowed probabilities). In nats.
 """
 
-import jax
 import jax.numpy as jnp
+from jaxtyping import Array
+from jaxtyping import ArrayLike
+from jaxtyping import Bool
+from jaxtyping import Float
 
 from jaxtopk.theory import _rows
 
@@ -21,7 +24,9 @@ def attention_entropy_row(logits, mask):
   return jnp.where(ok, jnp.maximum(h, 0.0), jnp.nan)
 
 
-def attention_entropy(logits, mask=None) -> jax.Array:
+def attention_entropy(
+  logits: Float[ArrayLike, "*b n"], mask: Bool[ArrayLike, "*b n"] | None = None
+) -> Float[Array, "*b"]:
   """Shannon entropy of each softmax row, in nats (THEORY 8.4).
 
   0 for a one-hot row, log n for a uniform row over n real keys. A -inf

@@ -13,13 +13,20 @@ Z_T <= A and Z_H >= B):
   A = sum_l (m_l - m_{l-1}) e^{s_(m_{l-1}+1)}, B = Z_H.
 
 Here n is the number of REAL keys of the row (padded keys are removed), and
-k = min(topk, n). ``topk`` may be a traced integer (it is validated when it is
-concrete). All bounds are rounded up so that they stay above the float64
-truth (THEORY 3.4); they are NaN for a row with no distribution.
+k = min(topk, n). ``topk`` may be a traced integer, or one per row (it is
+validated when it is concrete). All bounds are rounded up so that they stay
+above the float64 truth (THEORY 3.4); they are NaN for a row with no
+distribution.
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+from jaxtyping import ArrayLike
+from jaxtyping import Bool
+from jaxtyping import Float
+from jaxtyping import Int
 
 from jaxtopk.theory import _rows
 
@@ -104,18 +111,31 @@ def _check_common(logits, topk, mask):
   logits = jnp.asarray(logits)
   _rows.check_has_key_axis(logits)
   _rows.check_same_shape(logits, mask=mask)
-  _rows.check_topk(topk, logits.shape[-1])
-  return logits, _rows.as_mask(logits, mask), jnp.asarray(topk, jnp.int32)
+  _rows.check_topk(topk, logits.shape[-1], scalar=False)
+  try:
+    topk = jnp.broadcast_to(jnp.asarray(topk, jnp.int32), logits.shape[:-1])
+  except ValueError as e:
+    raise ValueError(
+      f"topk of shape {jnp.shape(topk)} must broadcast to the leading axes"
+      f" {logits.shape[:-1]} of logits"
+    ) from e
+  return logits, _rows.as_mask(logits, mask), topk
 
 
-def single_gap_log_bound(logits, topk, mask=None, *, form="exact_head"):
+def single_gap_log_bound(
+  logits: Float[ArrayLike, "*b n"],
+  topk: int | Int[ArrayLike, "*b"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  form="exact_head",
+) -> Float[Array, "*b"]:
   """log of ``single_gap_bound`` (accurate where the bound underflows)."""
   if form not in _FORMS:
     raise ValueError(f"{form=} must be one of {_FORMS}")
   logits, valid, topk = _check_common(logits, topk, mask)
   return _rows.apply_rows(
     single_gap_log_bound_row,
-    (0, None, 0),
+    0,
     (("form", form),),
     logits,
     topk,
@@ -123,7 +143,13 @@ def single_gap_log_bound(logits, topk, mask=None, *, form="exact_head"):
   )
 
 
-def single_gap_bound(logits, topk, mask=None, *, form="exact_head"):
+def single_gap_bound(
+  logits: Float[ArrayLike, "*b n"],
+  topk: int | Int[ArrayLike, "*b"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  form="exact_head",
+) -> Float[Array, "*b"]:
   """Upper bound on tau for the Top-k set from one boundary gap (THEORY 3.1).
 
   ``form='exact_head'``: tau <= (n-k) e^{s_(k+1)} / (Z_H + (n-k) e^{s_(k+1)}),
@@ -133,14 +159,17 @@ def single_gap_bound(logits, topk, mask=None, *, form="exact_head"):
 
   Args:
     logits: ``[..., n_keys]`` logits.
-    topk: number of kept keys, an integer in ``[1, n_keys]`` (may be traced).
+    topk: number of kept keys, an integer in ``[1, n_keys]``, or an int
+      array broadcastable to ``[...]`` (one per row); may be traced.
     mask: optional ``[..., n_keys]`` bool, False for padded keys.
     form: ``'exact_head'`` or ``'ratio'`` (static).
 
   Returns:
     ``[...]`` upper bound on tau in float32 (float64 for float64 input),
-    rounded up; 0 where every real key is kept; NaN for a row with no
-    distribution (no real key, or a NaN / +inf real logit).
+    rounded up (a positive bound is at least the smallest normal number, as
+    XLA flushes subnormals; see the log form); 0 where every real key is
+    kept; NaN for a row with no distribution (no real key, or a NaN / +inf
+    real logit).
 
   Raises:
     ValueError: for ``topk`` outside ``[1, n_keys]``, an unknown ``form``, or
@@ -152,10 +181,15 @@ def single_gap_bound(logits, topk, mask=None, *, form="exact_head"):
     >>> round(float(single_gap_bound(s, 1)), 4)  # exact here: 3 / (e^4 + 3)
     0.0521
   """
-  return jnp.exp(single_gap_log_bound(logits, topk, mask, form=form))
+  return _rows.exp_up(single_gap_log_bound(logits, topk, mask, form=form))
 
 
-def single_gap_certifies(logits, topk, eps, mask=None) -> jax.Array:
+def single_gap_certifies(
+  logits: Float[ArrayLike, "*b n"],
+  topk: int | Int[ArrayLike, "*b"],
+  eps: float | Float[ArrayLike, "*b"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+) -> Bool[Array, "*b"]:
   """Whether the gap criterion of THEORY 3.1 certifies tau <= eps.
 
   True iff Delta_k >= log((n-k)/k) + log((1-eps)/eps), i.e. iff the ratio
@@ -164,7 +198,7 @@ def single_gap_certifies(logits, topk, eps, mask=None) -> jax.Array:
 
   Args:
     logits: ``[..., n_keys]`` logits.
-    topk: number of kept keys in ``[1, n_keys]``.
+    topk: number of kept keys in ``[1, n_keys]`` (or one per row).
     eps: budget in (0, 1), scalar or broadcastable to ``[...]``.
     mask: optional ``[..., n_keys]`` bool, False for padded keys.
 
@@ -188,13 +222,19 @@ def _check_boundaries(boundaries, topk, n):
   if any(y <= x for x, y in zip(b, b[1:], strict=False)):
     raise ValueError(f"{boundaries=} must be strictly increasing")
   lo = _rows.concrete(topk)
-  lo = 0 if lo is None else int(lo)
+  lo = 0 if lo is None or lo.size == 0 else int(np.max(lo))
   if b and (b[0] <= lo or b[-1] > n):
     raise ValueError(f"{boundaries=} must lie in (topk={lo}, n_keys={n}]")
   return b
 
 
-def multi_gap_log_bound(logits, topk, mask=None, *, boundaries=None):
+def multi_gap_log_bound(
+  logits: Float[ArrayLike, "*b n"],
+  topk: int | Int[ArrayLike, "*b"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  boundaries=None,
+) -> Float[Array, "*b"]:
   """log of ``multi_gap_bound`` (accurate where the bound underflows)."""
   logits = jnp.asarray(logits)
   _rows.check_has_key_axis(logits)
@@ -202,7 +242,7 @@ def multi_gap_log_bound(logits, topk, mask=None, *, boundaries=None):
   logits, valid, topk = _check_common(logits, topk, mask)
   return _rows.apply_rows(
     multi_gap_log_bound_row,
-    (0, None, 0),
+    0,
     (("boundaries", b),),
     logits,
     topk,
@@ -210,7 +250,13 @@ def multi_gap_log_bound(logits, topk, mask=None, *, boundaries=None):
   )
 
 
-def multi_gap_bound(logits, topk, mask=None, *, boundaries=None):
+def multi_gap_bound(
+  logits: Float[ArrayLike, "*b n"],
+  topk: int | Int[ArrayLike, "*b"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  boundaries=None,
+) -> Float[Array, "*b"]:
   """Upper bound on tau for the Top-k set from several gaps (THEORY 3.2).
 
   With ranks k = m_0 < m_1 < ... < m_L = n,
@@ -222,7 +268,8 @@ def multi_gap_bound(logits, topk, mask=None, *, boundaries=None):
 
   Args:
     logits: ``[..., n_keys]`` logits.
-    topk: number of kept keys in ``[1, n_keys]`` (may be traced).
+    topk: number of kept keys in ``[1, n_keys]``, or an int array
+      broadcastable to ``[...]`` (one per row); may be traced.
     mask: optional ``[..., n_keys]`` bool, False for padded keys.
     boundaries: optional static tuple of 1-based ranks m_1 < ... < m_{L-1}
       (m_L = n is implied; a rank at or above a row's number of real keys
@@ -230,7 +277,8 @@ def multi_gap_bound(logits, topk, mask=None, *, boundaries=None):
 
   Returns:
     ``[...]`` upper bound on tau in float32 (float64 for float64 input),
-    rounded up; NaN for a row with no distribution.
+    rounded up (at least the smallest normal number when positive); NaN
+    for a row with no distribution.
 
   Raises:
     ValueError: for ``topk`` outside ``[1, n_keys]``, boundaries that are not
@@ -244,4 +292,6 @@ def multi_gap_bound(logits, topk, mask=None, *, boundaries=None):
     >>> round(float(b), 4)
     0.3561
   """
-  return jnp.exp(multi_gap_log_bound(logits, topk, mask, boundaries=boundaries))
+  return _rows.exp_up(
+    multi_gap_log_bound(logits, topk, mask, boundaries=boundaries)
+  )

@@ -24,6 +24,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array
+from jaxtyping import ArrayLike
+from jaxtyping import Bool
+from jaxtyping import Float
 
 from jaxtopk.theory import _rows
 
@@ -102,7 +106,7 @@ def _tau_up(ht: HeadTail, n_terms, err_coeff, dt, tv_bound):
     return jnp.asarray(tv_bound, dt)
   eps = jnp.finfo(dt).eps
   slack = _rows.log_slack(n_terms, dt) + 2 * eps * (err_coeff + 4.0)
-  return jnp.minimum(jnp.exp(ht.log_tau + slack), 1.0)
+  return jnp.minimum(_rows.exp_up(ht.log_tau + slack), 1.0)
 
 
 def _prepare(logits, keep, values, mask):
@@ -172,10 +176,18 @@ def _error_row(logits, keep, values, mask, tv):
   )
   vmax = jnp.max(_norm(v), where=valid, initial=0.0)
   diff = (diff + 2 * rel * vmax) * (1 + (v.shape[-1] + 4) * eps)
-  return tv * diff * (1 + 4 * eps)
+  out = tv * diff * (1 + 4 * eps)
+  return _rows.up_positive(out, (tv > 0) & (diff > 0))
 
 
-def head_tail_error(logits, keep, values, mask=None, *, tv_bound=None):
+def head_tail_error(
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  values: Float[ArrayLike, "*b n dv"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  tv_bound: Float[ArrayLike, "*b"] | None = None,
+) -> Float[Array, "*b"]:
   """Exact ||Attn - Attn_k||_2 = tau ||mu_tail - mu_head||_2 (THEORY 4.1).
 
   Computed from the two group means, not by subtracting two attention
@@ -232,10 +244,18 @@ def _diameter_row(logits, keep, values, mask, tv):
   err = head.err + tail.err + allm.err
   tau = _tau_up(ht, s.shape[-1], err, dt, tv)
   out = tau * diam * (1 + 4 * eps)
+  out = _rows.up_positive(out, (tau > 0) & (diam > 0))
   return jnp.where(jnp.isnan(ht.log_tau), jnp.nan, out)
 
 
-def diameter_bound(logits, keep, values, mask=None, *, tv_bound=None):
+def diameter_bound(
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  values: Float[ArrayLike, "*b n dv"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  tv_bound: Float[ArrayLike, "*b"] | None = None,
+) -> Float[Array, "*b"]:
   """Bound ||Attn - Attn_k|| <= tau max_{i in H, j in T} ||v_i - v_j||.
 
   THEORY 4.2 (first form). Needs the tail values (their distances to the
@@ -281,8 +301,9 @@ def value_norm_bound(tv_bound, mu_head_norm, max_value_norm) -> jax.Array:
     jnp.result_type(t, jnp.asarray(mu_head_norm), jnp.asarray(max_value_norm))
   )
   t = t.astype(dt)
-  out = t * (jnp.asarray(mu_head_norm, dt) + jnp.asarray(max_value_norm, dt))
-  return out * (1 + 4 * jnp.finfo(dt).eps)
+  norms = jnp.asarray(mu_head_norm, dt) + jnp.asarray(max_value_norm, dt)
+  out = t * norms * (1 + 4 * jnp.finfo(dt).eps)
+  return _rows.up_positive(out, (t > 0) & (norms > 0))
 
 
 def _variance_row(logits, keep, values, mask, tv):
@@ -303,7 +324,7 @@ def _variance_row(logits, keep, values, mask, tv):
     err = head.err + tail.err + allm.err
     log_odds = tail.log - head.log
     slack = _rows.log_slack(s.shape[-1], dt) + 2 * eps * (err + 4.0)
-    odds = jnp.exp(log_odds + slack)
+    odds = _rows.exp_up(log_odds + slack)
   else:
     t = tv.astype(dt)
     odds = jnp.where(t < 1, t / (1 - t), jnp.inf) * (1 + 4 * eps)
@@ -311,13 +332,21 @@ def _variance_row(logits, keep, values, mask, tv):
     2 * (allm.err + v.shape[-1]) + 8.0
   )
   out = jnp.sqrt(odds * var * jnp.exp(slack_var)) * (1 + 4 * eps)
+  out = _rows.up_positive(out, (odds > 0) & (var > 0))
   out = jnp.where(odds == 0, 0.0, out)
   # Nothing kept (or t = 1): Attn_k = 0 by convention, no variance bound.
   out = jnp.where(odds == jnp.inf, jnp.inf, out)
   return jnp.where(ok, out, jnp.nan)
 
 
-def variance_bound(logits, keep, values, mask=None, *, tv_bound=None):
+def variance_bound(
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  values: Float[ArrayLike, "*b n dv"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+  *,
+  tv_bound: Float[ArrayLike, "*b"] | None = None,
+) -> Float[Array, "*b"]:
   """Bound ||Attn - Attn_k|| <= sqrt(tau / (1 - tau) Var_P(V)) (THEORY 4.3).
 
   Var_P(V) = sum_i P_i ||v_i - Attn||^2 contains the between-group term

@@ -125,6 +125,31 @@ def finish_log_bound(log_u, log_h, err, n_terms, ok):
   return jnp.where(ok, b, jnp.nan)
 
 
+def exp_up(log_b):
+  """exp of a log upper bound, never rounded below the value it bounds.
+
+  XLA on CPU flushes subnormal results to zero, so exp(-88.5) in float32 is
+  0 although the bounded quantity (say e^-88.6 = 3e-39 in float64) is not.
+  Below the smallest normal number this returns that number (still an upper
+  bound); a bound of exactly -inf gives 0.
+  """
+  tiny = jnp.finfo(log_b.dtype).tiny
+  small = log_b < jnp.log(tiny)
+  out = jnp.exp(jnp.where(small, 0.0, log_b))
+  out = jnp.where(small, tiny, out)
+  return jnp.where(log_b == -jnp.inf, 0.0, out)
+
+
+def up_positive(x, positive):
+  """``x`` raised to the smallest normal number where it must be positive.
+
+  For products of bounds whose exact value is positive but whose float
+  value may have been flushed to zero or be subnormal.
+  """
+  tiny = jnp.finfo(x.dtype).tiny
+  return jnp.where(positive & (x < tiny), tiny, x)
+
+
 def sorted_desc(s, valid):
   """Real logits sorted in decreasing order; padded slots at the end.
 
@@ -177,14 +202,18 @@ def concrete(x):
     return None
 
 
-def check_topk(topk, n: int) -> None:
-  """Raises ValueError unless 1 <= topk <= n (checked when concrete)."""
+def check_topk(topk, n: int, scalar: bool = True) -> None:
+  """Raises ValueError unless 1 <= topk <= n (checked when concrete).
+
+  With ``scalar=False`` an integer array (one topk per row) is allowed.
+  """
   t = concrete(topk)
   if t is None:
     return
-  if t.ndim != 0 or not np.issubdtype(t.dtype, np.integer):
-    raise ValueError(f"{topk=} must be a scalar integer")
-  if not 1 <= int(t) <= n:
+  if (scalar and t.ndim != 0) or not np.issubdtype(t.dtype, np.integer):
+    kind = "a scalar integer" if scalar else "integer"
+    raise ValueError(f"{topk=} must be {kind}")
+  if not np.all((t >= 1) & (t <= n)):
     raise ValueError(f"{topk=} must be in [1, n_keys={n}]")
 
 

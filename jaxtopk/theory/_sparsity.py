@@ -11,6 +11,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array
+from jaxtyping import ArrayLike
+from jaxtyping import Bool
+from jaxtyping import Float
+from jaxtyping import Int
 
 from jaxtopk.theory import _rows
 
@@ -44,7 +49,11 @@ def ineffective_fraction_row(logits, eps, mask):
   return jnp.where(ok, out, jnp.nan)
 
 
-def effective_entries(logits, eps, mask=None) -> jax.Array:
+def effective_entries(
+  logits: Float[ArrayLike, "*b n"],
+  eps: float | Float[ArrayLike, "*b"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+) -> Int[Array, "*b"]:
   """|S_eps| = #{i : P_i >= eps}, the eps-effective entries (THEORY 7.3).
 
   "Attention collapse" is |S_eps| tending to 1 or O(1) as n grows.
@@ -74,7 +83,11 @@ def effective_entries(logits, eps, mask=None) -> jax.Array:
   return _rows.apply_rows(effective_entries_row, 0, (), logits, eps, valid)
 
 
-def ineffective_fraction(logits, eps, mask=None) -> jax.Array:
+def ineffective_fraction(
+  logits: Float[ArrayLike, "*b n"],
+  eps: float | Float[ArrayLike, "*b"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+) -> Float[Array, "*b"]:
   """1 - |S_eps| / n, the fraction of ineffective entries (THEORY 7.3).
 
   n counts the real keys of each row. Same arguments as
@@ -114,7 +127,11 @@ def row_l2_error_row(logits, keep, mask):
   return jnp.where(ok, jnp.exp(log_sq / 2), jnp.nan)
 
 
-def row_l2_error(logits, keep, mask=None) -> jax.Array:
+def row_l2_error(
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+) -> Float[Array, "*b"]:
   """||P - P_hat||_2 per row, the [NC] error metric (THEORY 7.2).
 
   P_hat is P renormalised on the kept set. Computed in closed form from the

@@ -20,6 +20,10 @@ Conventions shared by the whole package:
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array
+from jaxtyping import ArrayLike
+from jaxtyping import Bool
+from jaxtyping import Float
 
 from jaxtopk.theory import _rows
 
@@ -77,7 +81,11 @@ def kl_truncated_row(logits, keep, mask=None) -> jax.Array:
   return jnp.where(ok, lse_all - lse_head, jnp.nan)
 
 
-def log_tail_mass(logits, keep, mask=None) -> jax.Array:
+def log_tail_mass(
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+) -> Float[Array, "*b"]:
   """log tau over any leading axes (THEORY 2.5).
 
   Args:
@@ -106,7 +114,11 @@ def log_tail_mass(logits, keep, mask=None) -> jax.Array:
   return _rows.apply_rows(log_tail_mass_row, 0, (), logits, keep, valid)
 
 
-def tail_mass(logits, keep, mask=None) -> jax.Array:
+def tail_mass(
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+) -> Float[Array, "*b"]:
   """tau = dropped softmax mass = TV(P, P_hat), over any leading axes.
 
   THEORY 2.1 ([TV]): for the truncated distribution P_hat (P renormalised on
@@ -124,7 +136,11 @@ def tail_mass(logits, keep, mask=None) -> jax.Array:
   return jnp.exp(log_tail_mass(logits, keep, mask))
 
 
-def kl_truncated(logits, keep, mask=None) -> jax.Array:
+def kl_truncated(
+  logits: Float[ArrayLike, "*b n"],
+  keep: Bool[ArrayLike, "*b n"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+) -> Float[Array, "*b"]:
   """KL(P_hat || P) = -log(1 - tau) over any leading axes (THEORY 2.2).
 
   TV = 1 - exp(-KL). Stable for tau near 1: computed as lse(s) - lse(s_H).

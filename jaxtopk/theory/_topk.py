@@ -12,6 +12,11 @@ of largest logits whose tail mass is at most eps (THEORY 6.1), by a full sort.
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array
+from jaxtyping import ArrayLike
+from jaxtyping import Bool
+from jaxtyping import Float
+from jaxtyping import Int
 
 from jaxtopk.theory import _rows
 
@@ -27,7 +32,11 @@ def topk_mask_row(logits, mask=None, *, topk: int) -> jax.Array:
   return keep & valid
 
 
-def topk_mask(logits, topk: int, mask=None) -> jax.Array:
+def topk_mask(
+  logits: Float[ArrayLike, "*b n"],
+  topk: int,
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+) -> Bool[Array, "*b n"]:
   """Kept set H of Top-k: the ``topk`` largest real logits of each row.
 
   Ties are broken by the lowest key index. Padded keys (``mask`` False) are
@@ -92,7 +101,11 @@ def k_eps_row(logits, eps, mask=None) -> jax.Array:
   return jnp.where(ok, k, 0)
 
 
-def k_eps(logits, eps, mask=None) -> jax.Array:
+def k_eps(
+  logits: Float[ArrayLike, "*b n"],
+  eps: float | Float[ArrayLike, "*b"],
+  mask: Bool[ArrayLike, "*b n"] | None = None,
+) -> Int[Array, "*b"]:
   """Exact certified size: min k such that the k largest keep tau <= eps.
 
   THEORY 6.1: keeping the ``k_eps`` largest real logits leaves a tail mass

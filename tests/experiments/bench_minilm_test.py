@@ -4,12 +4,14 @@ import json
 import pathlib
 import tempfile
 
+import pytest
 from absl.testing import absltest
 
 from experiments import bench_minilm
 
 
 class BenchMiniLMTest(absltest.TestCase):
+  @pytest.mark.slow
   def test_smoke_run_writes_record(self):
     record = bench_minilm.run(batch_size=2, max_len=11, repeats=1)
     for name in ("load_minilm", "embed_forward_jit", "minilm_attention_rows"):

@@ -13,6 +13,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 from flax import nnx
@@ -56,6 +57,7 @@ _BATCH, _SEQ = 2, 7
 # op-by-op eager dispatch for the 6-layer model.
 _embed = nnx.jit(nn.sentence_embedding)
 _forward = nnx.jit(lambda model, *args: model(*args))
+_forward_trace = nnx.jit(lambda model, *args: model(*args, return_logits=True))
 
 
 def _small_model(**kw):
@@ -78,28 +80,6 @@ def _dense_attention(query, key, value, bias=None, mask=None, **kwargs):
   logits = jnp.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(query.shape[-1])
   logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
   return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, -1), value)
-
-
-class BertConfigTest(parameterized.TestCase):
-  def test_package_config_is_minilm(self):
-    cfg = nn.BertConfig.from_json_file(nn.minilm_model_dir() / "config.json")
-    self.assertEqual(cfg, nn.BertConfig())
-    self.assertEqual(cfg.head_dim, 32)
-
-  @parameterized.named_parameters(
-    ("heads_do_not_divide", dict(hidden_size=10, num_heads=3), "hidden_size"),
-    ("bad_activation", dict(hidden_act="swish"), "hidden_act"),
-    ("zero_layers", dict(num_layers=0), "num_layers"),
-    ("float_width", dict(hidden_size=15.0, num_heads=3), "hidden_size"),
-    ("bad_eps", dict(layer_norm_eps=0.0), "layer_norm_eps"),
-  )
-  def test_bad_config_raises(self, kwargs, name):
-    with self.assertRaisesRegex(ValueError, name):
-      nn.BertConfig(**kwargs)
-
-  def test_non_bert_hf_config_raises(self):
-    with self.assertRaisesRegex(ValueError, "model_type"):
-      nn.BertConfig.from_hf_dict({"model_type": "gpt2"})
 
 
 class SmallBertTest(parameterized.TestCase):
@@ -205,10 +185,9 @@ class SmallBertTest(parameterized.TestCase):
 
   def test_bfloat16_compute(self):
     ids, mask, types = _small_inputs()
-    ref = _small_model()(ids, mask, types)
-    half, trace = _small_model(dtype=jnp.bfloat16)(
-      ids, mask, types, return_logits=True
-    )
+    del types  # token types are covered elsewhere; keep one jit signature
+    ref = _forward(_small_model(), ids, mask)
+    half, trace = _forward_trace(_small_model(dtype=jnp.bfloat16), ids, mask)
     self.assertEqual(half.dtype, jnp.bfloat16)
     self.assertEqual(trace.logits[0].dtype, jnp.float32)
     # bf16 through 2 layers with LayerNorms: looser than one bf16 op.
@@ -320,6 +299,7 @@ class MiniLMRealWeightsTest(parameterized.TestCase):
         ref_map = np.asarray(s[f"attention_layer{layer}_head{head}"])
         np.testing.assert_allclose(probs, ref_map, atol=1e-5, rtol=1e-4)
 
+  @pytest.mark.slow
   def test_bfloat16_embeddings_close_to_reference(self):
     sentences = self._need_fixture()
     model, _ = nn.load_minilm(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)

@@ -10,6 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxtopk
+from jaxtopk import theory
+from jaxtopk.selection import _search
 
 R, N, D, BS = 3, 40, 5, 8  # rows, keys (ragged last block), dim, block
 
@@ -18,8 +20,9 @@ def _truth(q, k, keep, mask, scale):
   """float64 tau of the kept set, per row."""
   s = np.einsum("rd,rnd->rn", q.astype(np.float64), k.astype(np.float64))
   s = np.where(mask, s * scale, -np.inf)
-  e = np.exp(s - s.max(-1, keepdims=True))
-  return (e * ~keep).sum(-1) / e.sum(-1)
+  with np.errstate(invalid="ignore"):  # all-masked rows give NaN, unused
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return (e * ~keep).sum(-1) / e.sum(-1)
 
 
 def _clustered(seed, r, n, d, spread=3.0):
@@ -62,6 +65,26 @@ class SearchTest(parameterized.TestCase):
       self.assertLessEqual(float(cert.tv_bound[r]), eps)
       self.assertLessEqual(int(cert.k_kept[r]), int(cert.keys_scored[r]))
 
+  @parameterized.parameters("exact", "delta", "mc")
+  def test_blocks_far_below_the_best_stay_sound(self, search):
+    # One key ~179 logits above the rest: e^{u_b - u_max} underflows in
+    # float32 (CI once found MC returning NaN here). The bound must stay a
+    # finite number >= the float64 truth (~1e-76), rounded up to tiny.
+    q = np.zeros((2, D), np.float32)
+    q[1, 0] = -20.0
+    k = np.full((2, N, D), 20.0, np.float32)
+    k[1, 0, 0] = 0.0
+    policy = jaxtopk.Certified(0.01, search=search, block_size=BS)
+    sel = jaxtopk.certified_search(
+      q, k, policy=policy, values=k, key=jax.random.key(0)
+    )
+    cert = sel.certificate
+    tau = _truth(q, k, np.asarray(sel.keep), np.ones((2, N), bool), D**-0.5)
+    self.assertTrue(np.all(np.isfinite(cert.tv_bound)))
+    self.assertTrue(np.all(np.asarray(cert.tv_bound, np.float64) >= tau))
+    self.assertTrue(np.all(np.isfinite(cert.output_error_bound)))
+    self.assertEqual(int(cert.k_kept[1]), 1)
+
   # MC pays num_samples per non-empty block up front (counted).
   @parameterized.parameters(
     ("delta", 0.05, 16), ("delta", 0.01, 16), ("mc", 0.05, 16)
@@ -98,6 +121,21 @@ class SearchTest(parameterized.TestCase):
       fails += int(np.sum(np.asarray(sel.certificate.tv_bound) < tau))
       self.assertEqual(sel.certificate.failure_prob, 0.05)
     self.assertLessEqual(fails / (3 * r), 0.05)
+
+  def test_dot_box_bound_equals_theory_box_bound(self):
+    k = _clustered(5, 2, 64, 7)
+    q = np.asarray(jax.random.normal(jax.random.key(6), (2, 3, 7)))
+    box = theory.box_summary(k, block_size=BS)
+    sub = jax.tree.map(lambda x: x[:, None], box)  # broadcast over 3
+    want = theory.box_upper_bound(q, sub, scale=0.4)  # [2, 3, nb]
+    got = _search.box_upper_bound_dot(q, box, scale=0.4)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    s = np.einsum("rgd,rnd->rgn", q.astype(np.float64), k) * 0.4
+    smax = s.reshape(2, 3, -1, BS).max(-1)
+    self.assertTrue(np.all(np.asarray(got, np.float64) >= smax))
+    absdot = _search.box_abs_dot(q, box, 0.4)
+    want_abs = 0.4 * np.einsum("rgd,rnd->rgn", np.abs(q), np.abs(k)).max(-1)
+    self.assertTrue(np.all(np.asarray(absdot, np.float64) >= want_abs))
 
   @parameterized.named_parameters(
     ("policy", dict(policy=jaxtopk.FixedK(2)), TypeError, "Certified"),

@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 from hypothesis import given
@@ -95,6 +96,7 @@ def _block_uppers(q, kk, valid, *, bs):
 
 
 class SoundnessTest(parameterized.TestCase):
+  @pytest.mark.slow
   @given(
     qk_rows(),
     st.lists(st.booleans(), min_size=6, max_size=6),
@@ -115,6 +117,7 @@ class SoundnessTest(parameterized.TestCase):
       self.assertLessEqual(float(b), 0.0)
       self.assertGreaterEqual(float(b), want, msg=(which, exact))
 
+  @pytest.mark.slow
   @given(qk_rows(), st.sampled_from([3, 4]), st.sampled_from([0, 2]))
   def test_block_upper_bounds_cover_every_logit(self, row, bs, dt):
     q, k, valid, scale = row
