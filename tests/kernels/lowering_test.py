@@ -88,6 +88,38 @@ class LoweringTest(parameterized.TestCase):
     )
     self.assertIn("jaxtopk_certified_decode", text)
 
+  @parameterized.parameters(*_PLATFORMS)
+  def test_certified_prefill_and_gradient(self, plat, backend):
+    # The whole prefill (stats -> XLA selection -> sparse flash ->
+    # certificate) and the custom_vjp backward (XLA) lower for the platform.
+    fn = functools.partial(
+      kernels.certified_sparse_attention,
+      eps=0.01,
+      is_causal=True,
+      backend=backend,
+      block_sizes=kernels.SparseFlashSizes(128, 128),
+    )
+
+    def loss(q, k, v, m):
+      out, cert = fn(q, k, v, mask=m)
+      return jnp.sum(out.astype(jnp.float32)), cert.tv_bound
+
+    avals = (
+      S((B, H, NQ, D), jnp.bfloat16),
+      S((B, HKV, NK, D), jnp.bfloat16),
+      S((B, HKV, NK, D), jnp.bfloat16),
+      S((B, NK), bool),
+    )
+    text = _export(loss, plat, *avals)
+    self.assertIn("jaxtopk_block_stats", text)
+    self.assertIn("jaxtopk_sparse_flash", text)
+    # The backward differentiates the XLA reference over the kept blocks
+    # (no Pallas backward kernel): only the stats kernel, which chooses the
+    # blocks, remains a Pallas call in the gradient.
+    grad = jax.grad(lambda *a: loss(*a)[0], argnums=(0, 1, 2))
+    gtext = _export(grad, plat, *avals)
+    self.assertTrue("jaxtopk_block_stats" in gtext)
+
   def test_bad_tiling_is_caught(self):
     # block_q = 24 is not a power of 2, which Triton requires.
     fn = functools.partial(
