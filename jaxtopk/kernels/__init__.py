@@ -19,6 +19,7 @@ from jaxtopk.kernels._decode import BlockSizes as DecodeSizes
 from jaxtopk.kernels._decode import certified_decode
 from jaxtopk.kernels._decode import certified_decode_reference
 from jaxtopk.kernels._prefill import certified_sparse_attention
+from jaxtopk.kernels._prefill import certified_sparse_attention_reference
 from jaxtopk.kernels._prefill import prefill_certificate
 from jaxtopk.kernels._select import BlockSelection
 from jaxtopk.kernels._select import per_query_kept

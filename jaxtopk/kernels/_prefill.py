@@ -135,6 +135,68 @@ def certified_sparse_attention(
   return out, cert
 
 
+@functools.partial(
+  jax.jit,
+  static_argnames=("eps", "scale", "is_causal", "max_blocks", "block_sizes"),
+)
+def certified_sparse_attention_reference(
+  query,
+  key,
+  value,
+  *,
+  eps: float,
+  mask=None,
+  scale: float | None = None,
+  is_causal: bool = False,
+  max_blocks: int | None = None,
+  block_sizes: _sparse_flash.BlockSizes | None = None,
+) -> tuple[jax.Array, Certificate]:
+  """Pure-jnp ``certified_sparse_attention`` (same arguments, no kernels).
+
+  The same pipeline with ``block_stats_reference`` and
+  ``sparse_flash_attention_reference`` in place of the kernels; eps = 0
+  also goes through the statistics pass (every block with mass is kept, so
+  the output is dense attention and tau = 0 as well).
+  """
+  _common.check_head_major(query, key, value)
+  bs = block_sizes or _sparse_flash.BlockSizes.get_default()
+  if not 0.0 <= eps < 1.0:
+    raise ValueError(f"{eps=} must be in [0, 1)")
+  scale = float(query.shape[-1] ** -0.5 if scale is None else scale)
+  st = _block_stats.block_stats_reference(
+    query, key, mask=mask, scale=scale, is_causal=is_causal, block_k=bs.block_k
+  )
+  sel = _select.select_blocks(
+    st.lse, eps=eps, block_q=bs.block_q, max_blocks=max_blocks
+  )
+  out, lse_h = _sparse_flash.sparse_flash_attention_reference(
+    query,
+    key,
+    value,
+    sel.block_idx,
+    sel.block_count,
+    mask=mask,
+    scale=scale,
+    is_causal=is_causal,
+    block_q=bs.block_q,
+    block_k=bs.block_k,
+  )
+  cert = prefill_certificate(
+    query,
+    key,
+    value,
+    out,
+    lse_h,
+    st,
+    sel.kept,
+    mask=mask,
+    scale=scale,
+    block_q=bs.block_q,
+    block_k=bs.block_k,
+  )
+  return out, cert
+
+
 def _dense(query, key, value, mask, scale, is_causal, bs, backend, interpret):
   b, h, nq, _ = query.shape
   nk = key.shape[2]

@@ -9,6 +9,7 @@ from absl.testing import parameterized
 from jaxtopk import kernels
 from tests.kernels import base
 from tests.kernels import oracle
+from tests.tolerances import tol
 
 BQ, BK = 16, 32
 
@@ -70,6 +71,26 @@ class PrefillCertificateTest(base.KernelTestCase):
     np.testing.assert_array_equal(cert.keys_scored, n_vis + keep.sum(-1))
     if not causal:  # causal rows of 37 queries see at most 2 blocks
       self.assertLess(float(np.mean(cert.k_kept)), 0.7 * float(np.mean(n_vis)))
+    # Same as the pure-jnp pipeline (reference kernels, same selection).
+    ro, rc = kernels.certified_sparse_attention_reference(
+      q,
+      k,
+      v,
+      eps=eps,
+      mask=mask,
+      is_causal=causal,
+      block_sizes=kernels.SparseFlashSizes(BQ, BK),
+    )
+    np.testing.assert_allclose(
+      np.asarray(out, np.float32), np.asarray(ro, np.float32), **tol(dtype)
+    )
+    np.testing.assert_array_equal(cert.k_kept, rc.k_kept)
+    np.testing.assert_array_equal(cert.keys_scored, rc.keys_scored)
+    np.testing.assert_allclose(cert.tv_bound, rc.tv_bound, rtol=1e-4)
+    # The output-error bound uses |out|, rounded to the input dtype.
+    np.testing.assert_allclose(
+      cert.output_error_bound, rc.output_error_bound, **tol(dtype)
+    )
 
   def test_eps_zero_keeps_everything(self):
     q, k, v, mask = self.inputs(1, 3, 3, 13, 70, 8, 7, jnp.float32)
