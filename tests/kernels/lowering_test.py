@@ -120,6 +120,34 @@ class LoweringTest(parameterized.TestCase):
     gtext = _export(grad, plat, *avals)
     self.assertTrue("jaxtopk_block_stats" in gtext)
 
+  @parameterized.parameters(*_PLATFORMS)
+  def test_ragged_lengths(self, plat, backend):
+    # q_len 200 and kv_len 300 are not multiples of the 128 tiles (nor
+    # powers of 2): the wrappers pad, so both pipelines still lower.
+    nq, nk, dt = 200, 300, jnp.bfloat16
+    pre = functools.partial(
+      kernels.certified_sparse_attention,
+      eps=0.01,
+      is_causal=True,
+      backend=backend,
+      block_sizes=kernels.SparseFlashSizes(128, 128),
+    )
+    dec = functools.partial(
+      kernels.certified_decode,
+      eps=0.01,
+      backend=backend,
+      block_sizes=kernels.DecodeSizes(128, 2),
+    )
+    kv = (S((B, HKV, nk, D), dt), S((B, HKV, nk, D), dt), S((B, nk), bool))
+    text = _export(
+      lambda q, k, v, m: pre(q, k, v, mask=m), plat, S((B, H, nq, D), dt), *kv
+    )
+    self.assertTrue("jaxtopk_sparse_flash" in text)
+    text = _export(
+      lambda q, k, v, m: dec(q, k, v, mask=m), plat, S((B, H, D), dt), *kv
+    )
+    self.assertTrue("jaxtopk_certified_decode" in text)
+
   def test_bad_tiling_is_caught(self):
     # block_q = 24 is not a power of 2, which Triton requires.
     fn = functools.partial(
