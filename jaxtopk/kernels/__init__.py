@@ -26,6 +26,9 @@ from jaxtopk.kernels._select import per_query_kept
 from jaxtopk.kernels._select import select_blocks
 from jaxtopk.kernels._sparse_flash import BlockSizes as SparseFlashSizes
 from jaxtopk.kernels._sparse_flash import (
+  gathered_attention as sparse_flash_gathered_attention,
+)
+from jaxtopk.kernels._sparse_flash import (
   kept_key_mask as sparse_flash_kept_key_mask,
 )
 from jaxtopk.kernels._sparse_flash import sparse_flash_attention
