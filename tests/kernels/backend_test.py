@@ -156,5 +156,17 @@ class PallasDecodeAttentionTest(base.KernelTestCase):
     self.assertTrue(np.all(err <= np.asarray(cp.output_error_bound) + 1e-5))
 
 
+class PallasTopkAttentionCompiledTest(PallasTopkAttentionTest):
+  """The same tests on compiled kernels (skipped without a TPU or GPU)."""
+
+  INTERPRET = False
+
+
+class PallasDecodeAttentionCompiledTest(PallasDecodeAttentionTest):
+  """The same tests on compiled kernels (skipped without a TPU or GPU)."""
+
+  INTERPRET = False
+
+
 if __name__ == "__main__":
   absltest.main()

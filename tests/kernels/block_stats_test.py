@@ -31,7 +31,7 @@ class BlockStatsTest(base.KernelTestCase):
       mask=mask,
       is_causal=causal,
       block_sizes=kernels.BlockStatsSizes(16, 32),
-      backend=backend,
+      backend=self.grid(backend),
       interpret=self.INTERPRET,
     )
     ref = kernels.block_stats_reference(
@@ -97,6 +97,12 @@ class SelectBlocksTest(parameterized.TestCase):
       kernels.select_blocks(
         jnp.zeros((1, 1, 3, 5)), eps=0.1, block_q=8, max_blocks=0
       )
+
+
+class BlockStatsCompiledTest(BlockStatsTest):
+  """The same tests on compiled kernels (skipped without a TPU or GPU)."""
+
+  INTERPRET = False
 
 
 if __name__ == "__main__":

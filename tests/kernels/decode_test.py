@@ -32,7 +32,7 @@ def _oracle(q, k, v, scored, mask):
 
 
 class DecodeTest(base.KernelTestCase):
-  def _decode(self, q, k, v, mask, eps, backend="tpu"):
+  def _decode(self, q, k, v, mask, eps, backend=None):
     return kernels.certified_decode(
       q,
       k,
@@ -40,7 +40,7 @@ class DecodeTest(base.KernelTestCase):
       eps=eps,
       mask=mask,
       block_sizes=SIZES,
-      backend=backend,
+      backend=None if backend is None else self.grid(backend),
       interpret=self.INTERPRET,
     )
 
@@ -143,6 +143,12 @@ class DecodeTest(base.KernelTestCase):
       self._decode(q[:, :, 0], k, v, None, 1.0)
     with self.assertRaisesRegex(ValueError, "query must be"):
       self._decode(q, k, v, None, 0.1)
+
+
+class DecodeCompiledTest(DecodeTest):
+  """The same tests on compiled kernels (skipped without a TPU or GPU)."""
+
+  INTERPRET = False
 
 
 if __name__ == "__main__":

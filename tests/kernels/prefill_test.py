@@ -128,5 +128,11 @@ class PrefillCertificateTest(base.KernelTestCase):
     self.assertTrue(np.all(err[:4] <= eb + 1e-9))
 
 
+class PrefillCertificateCompiledTest(PrefillCertificateTest):
+  """The same tests on compiled kernels (skipped without a TPU or GPU)."""
+
+  INTERPRET = False
+
+
 if __name__ == "__main__":
   absltest.main()

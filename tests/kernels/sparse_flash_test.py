@@ -50,7 +50,7 @@ class SparseFlashTest(base.KernelTestCase):
       mask,
       causal,
       block_sizes=kernels.SparseFlashSizes(BQ, BK),
-      backend=backend,
+      backend=self.grid(backend),
       interpret=self.INTERPRET,
     )
     ro, rl = _call(
@@ -115,7 +115,7 @@ class SparseFlashTest(base.KernelTestCase):
         kernels.sparse_flash_attention,
         *a,
         block_sizes=kernels.SparseFlashSizes(BQ, BK),
-        backend=backend,
+        backend=self.grid(backend),
         interpret=self.INTERPRET,
       ),
       argnums=(0, 1, 2),
@@ -199,6 +199,12 @@ class GatheredAttentionTest(parameterized.TestCase):
     for a, b in zip(g_got, g_want, strict=True):
       self.assertTrue(bool(jnp.all(jnp.isfinite(a))))
       np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+class SparseFlashCompiledTest(SparseFlashTest):
+  """The same tests on compiled kernels (skipped without a TPU or GPU)."""
+
+  INTERPRET = False
 
 
 if __name__ == "__main__":
