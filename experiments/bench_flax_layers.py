@@ -26,9 +26,7 @@ Launch:
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -37,37 +35,25 @@ from absl import flags
 from flax import nnx
 
 import jaxtopk
+from experiments import _common
 from jaxtopk import nn as topk_nn
 
-_OUT = flags.DEFINE_string("out", None, "JSON file to write.", required=True)
-_BATCH = flags.DEFINE_integer("batch", 2, "Sequences per call.")
-_SEQ = flags.DEFINE_integer("seq", 2048, "Tokens (prefill) / cache length.")
-_HEADS = flags.DEFINE_integer("heads", 8, "Query heads.")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Features per head.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs after warm-up.")
-_ONLY = flags.DEFINE_list(
-  "only",
-  None,
-  "Names of the layers to time (default all): nnx_multi_head_attention, "
-  "topk_dense, topk_fixed_k, topk_certified.",
-)
+FLAGS = flags.FLAGS
 
 
-def _time(fn, repeats):
-  """Warm-up run (compile), then ``repeats`` timed runs in seconds."""
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn())
-  first = time.perf_counter() - t0
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return dict(
-    first_s=first,
-    median_s=statistics.median(times),
-    min_s=min(times),
-    repeats=repeats,
+def _define_flags():
+  """Flags, defined only when run as a script (importable beside others)."""
+  flags.DEFINE_string("out", None, "JSON file to write.", required=True)
+  flags.DEFINE_integer("batch", 2, "Sequences per call.")
+  flags.DEFINE_integer("seq", 2048, "Tokens (prefill) / cache length.")
+  flags.DEFINE_integer("heads", 8, "Query heads.")
+  flags.DEFINE_integer("head_dim", 64, "Features per head.")
+  flags.DEFINE_integer("repeats", 5, "Timed runs after warm-up.")
+  flags.DEFINE_list(
+    "only",
+    None,
+    "Names of the layers to time (default all): nnx_multi_head_attention, "
+    "topk_dense, topk_fixed_k, topk_certified.",
   )
 
 
@@ -143,7 +129,7 @@ def run(batch, seq, heads, head_dim, repeats, only=None) -> dict:
   )
   for name, policy in policies.items():
     layer = _layers(policy, features, heads)
-    timing = _time(lambda layer=layer: _forward(layer, x), repeats)
+    timing = _common.time_call(lambda layer=layer: _forward(layer, x), repeats)
     if policy is not None:
       timing["certificate"] = layer.last_certificate.get_value().summary()
     record["prefill"][name] = timing
@@ -157,7 +143,7 @@ def run(batch, seq, heads, head_dim, repeats, only=None) -> dict:
       nnx.update(layer, state)
       return _step(layer, x[:, seq - 1 : seq])
 
-    timing = _time(one_step, repeats)
+    timing = _common.time_call(one_step, repeats)
     timing["cache_filled_to"] = fill
     if policy is not None:
       timing["certificate"] = layer.last_certificate.get_value().summary()
@@ -184,20 +170,21 @@ def _fill_cache(layer, x, length):
 def main(argv):
   del argv
   record = run(
-    _BATCH.value,
-    _SEQ.value,
-    _HEADS.value,
-    _HEAD_DIM.value,
-    _REPEATS.value,
-    only=_ONLY.value,
+    FLAGS.batch,
+    FLAGS.seq,
+    FLAGS.heads,
+    FLAGS.head_dim,
+    FLAGS.repeats,
+    only=FLAGS.only,
   )
   record["command"] = " ".join(
     ["python -m experiments.bench_flax_layers", *sys.argv[1:]]
   )
-  with open(_OUT.value, "w") as f:
+  with open(FLAGS.out, "w") as f:
     json.dump(record, f, indent=2)
   print(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -36,8 +36,6 @@ Smoke (CPU, seconds, correctness only):
 
 import json
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +43,7 @@ from absl import app
 from absl import flags
 
 import jaxtopk
+from experiments import _common
 from jaxtopk import kernels
 
 _OUT = flags.DEFINE_string("out", None, "JSON file to write.", required=True)
@@ -69,24 +68,9 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny correctness run (CPU ok).")
 INTERPRET = False
 
 
-def _time(fn, repeats):
-  """Warm-up run (compile), then ``repeats`` timed runs in seconds."""
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn())
-  first = time.perf_counter() - t0
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return dict(
-    first_s=first, median_s=statistics.median(times), min_s=min(times)
-  )
-
-
 def _try(fn, repeats):
   try:
-    return _time(fn, repeats)
+    return _common.time_call(fn, repeats)
   except Exception as e:  # noqa: BLE001 - record why a baseline cannot run
     return dict(error=f"{type(e).__name__}: {str(e)[:300]}")
 
