@@ -12,6 +12,10 @@ from jaxtopk.nn._bert import MiniLM
 from jaxtopk.nn._bert_config import BertConfig
 from jaxtopk.nn._certificates import collect_certificates
 from jaxtopk.nn._certificates import per_head_report
+from jaxtopk.nn._decoder import DecodeCache
+from jaxtopk.nn._decoder import DecoderConfig
+from jaxtopk.nn._decoder import TopKDecoder
+from jaxtopk.nn._decoder import decode_teacher_forced
 from jaxtopk.nn._linen import topk_attention_linen
 from jaxtopk.nn._minilm import load_bert_weights
 from jaxtopk.nn._minilm import load_minilm
@@ -22,3 +26,7 @@ from jaxtopk.nn._pooling import mean_pool
 from jaxtopk.nn._pooling import sentence_embedding
 from jaxtopk.nn._real_text import REAL_TEXT_FILES
 from jaxtopk.nn._real_text import real_text_passages
+from jaxtopk.nn._selectors import ApproxMaxK
+from jaxtopk.nn._selectors import ExactTopK
+from jaxtopk.nn._selectors import MixedTopK
+from jaxtopk.nn._selectors import selection_precision

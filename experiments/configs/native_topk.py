@@ -1,0 +1,111 @@
+"""Config of experiments/native_topk.py (native Top-k, THEORY 8, issue 7).
+
+Launch (default, about 40 minutes on the shared 2-core CPU under load, see
+BUILD_NOTES for the measured time):
+
+  python -m experiments.native_topk \
+    --config=experiments/configs/native_topk.py --workdir=/tmp/native_topk
+
+Smoke variant (seconds; what the CI test runs):
+
+  python -m experiments.native_topk \
+    --config=experiments/configs/native_topk.py:smoke --workdir=/tmp/smoke
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """Default config, or the ``smoke`` variant when ``arg == 'smoke'``."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # every batch is drawn from (seed, phase, step, task)
+  c.seq_len = 256  # context length of every training and eval sequence
+
+  # Token layout (jaxtopk.tasks.Vocab); num_keys >= (seq_len - 2) // 2.
+  c.vocab = ml_collections.ConfigDict()
+  c.vocab.num_keys = 128  # distinct key tokens
+  c.vocab.num_values = 64  # value tokens
+  c.vocab.num_filler = 64  # haystack filler tokens
+
+  # Model (jaxtopk.nn.DecoderConfig).
+  c.model = ml_collections.ConfigDict()
+  c.model.num_layers = 2  # transformer blocks
+  c.model.num_heads = 4  # heads per block
+  c.model.model_dim = 64  # residual width
+  c.model.mlp_dim = 128  # MLP hidden width
+  c.model.token_shift = True  # previous-token feature (see _decoder.py)
+
+  # Training. Protocol of THEORY 8.2: a dense base model, then two
+  # fine-tunes from it with the same budget, one dense and one with Top-k
+  # attention (jaxtopk.Ratio(train_rho)) in the forward pass.
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 24  # rows per step, split evenly over the 3 tasks
+  c.train.base_steps = 600  # dense pre-training steps
+  c.train.finetune_steps = 100  # steps of EACH fine-tune (same budget)
+  c.train.train_rho = 1 / 16  # kept fraction in the Top-k fine-tune
+  c.train.learning_rate = 3e-3  # AdamW peak learning rate (cosine decay)
+  c.train.finetune_learning_rate = 1e-3  # peak for the fine-tunes
+  c.train.warmup_steps = 40  # linear warmup of the base run
+  c.train.weight_decay = 0.01  # AdamW weight decay
+  c.train.clip_norm = 1.0  # global gradient-norm clip
+  c.train.checkpoint_every = 25  # steps between orbax checkpoints
+  c.train.log_every = 10  # steps between metrics.jsonl lines
+  c.train.lookup_queries = 4  # queried keys per multi-key lookup row
+  # Base-run length curriculum: (first step, context length) pairs; lengths
+  # are capped at seq_len and the fine-tunes always use seq_len.
+  c.train.curriculum = ((0, 16), (150, 32), (250, 64), (350, 128), (450, 256))
+
+  # Evaluation (prefill dense, decode the answer positions with a selector).
+  c.eval = ml_collections.ConfigDict()
+  c.eval.num_examples = 96  # rows per task (and per needle depth)
+  c.eval.batch_size = 96  # rows per jitted decode call
+  c.eval.needle_depths = (0.0, 0.25, 0.5, 0.75, 1.0)  # needle positions
+  # Ratio sweep (THEORY 8.1): exact Top-k at these kept fractions.
+  c.eval.rhos = (
+    1 / 256,
+    1 / 128,
+    1 / 64,
+    1 / 32,
+    1 / 16,
+    1 / 8,
+    1 / 4,
+    1 / 2,
+    1.0,
+  )
+  c.eval.fidelity_rho = 1 / 16  # budget of the fidelity sweep (THEORY 8.3)
+  c.eval.precisions = (0.3, 0.5, 0.7, 0.9, 1.0)  # MixedTopK
+  c.eval.recall_targets = (0.3, 0.6, 0.9)  # ApproxMaxK
+  c.eval.approx_xla = True  # also sweep jax.lax.approx_max_k itself
+  c.eval.eps = (0.5, 0.1, 0.01, 0.001)  # jaxtopk.Certified budgets
+
+  if arg == "smoke":
+    c.seq_len = 64
+    c.vocab.num_keys = 32
+    c.vocab.num_values = 16
+    c.vocab.num_filler = 16
+    c.model.num_layers = 1
+    c.model.num_heads = 2
+    c.model.model_dim = 16
+    c.model.mlp_dim = 16
+    c.train.batch_size = 12
+    c.train.base_steps = 40
+    c.train.finetune_steps = 6
+    c.train.train_rho = 1 / 8
+    c.train.learning_rate = 1e-2
+    c.train.warmup_steps = 4
+    c.train.checkpoint_every = 10
+    c.train.log_every = 5
+    c.train.lookup_queries = 2
+    c.train.curriculum = ((0, 64),)  # one length: one compile
+    c.eval.num_examples = 12
+    c.eval.batch_size = 12
+    c.eval.needle_depths = (0.0, 1.0)
+    c.eval.rhos = (1.0,)
+    c.eval.approx_xla = False
+    c.eval.fidelity_rho = 1 / 8
+    c.eval.precisions = (0.5,)
+    c.eval.recall_targets = (0.5,)
+    c.eval.eps = (0.1,)
+  elif arg:
+    raise ValueError(f"unknown config variant {arg=}; use '' or 'smoke'")
+  return c

@@ -1,0 +1,10 @@
+"""jaxtopk.tasks: seeded synthetic retrieval tasks (THEORY 8)."""
+
+from jaxtopk.tasks._retrieval import NUM_SPECIAL
+from jaxtopk.tasks._retrieval import PAD
+from jaxtopk.tasks._retrieval import QUERY
+from jaxtopk.tasks._retrieval import RetrievalBatch
+from jaxtopk.tasks._retrieval import Vocab
+from jaxtopk.tasks._retrieval import associative_recall
+from jaxtopk.tasks._retrieval import multi_key_lookup
+from jaxtopk.tasks._retrieval import needle_in_haystack
