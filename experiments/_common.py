@@ -25,11 +25,13 @@ two runs are never silently mixed.
 import json
 import math
 import pathlib
+import statistics
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 from absl import flags
@@ -263,3 +265,26 @@ def write_summary(workdir: pathlib.Path, text: str) -> None:
   """Writes ``summary.txt`` and prints it."""
   (workdir / "summary.txt").write_text(text + "\n")
   print(text)
+
+
+def time_call(fn, repeats: int) -> dict:
+  """Times ``fn()``: one warm-up (compile) run, then ``repeats`` timed runs.
+
+  Every run is waited on with ``jax.block_until_ready``. Returns seconds:
+  ``first_s`` (the warm-up, compile included), ``median_s``, ``min_s`` (the
+  steadier figure on a shared machine) and ``repeats``.
+  """
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn())
+  first = time.perf_counter() - t0
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return dict(
+    first_s=first,
+    median_s=statistics.median(times),
+    min_s=min(times),
+    repeats=repeats,
+  )

@@ -10,6 +10,9 @@ jax.lax.top_k + gather, at 8 heads, head_dim 128, rho = 1/64, n = 16,384 and
 - lax_topk:  logits, jax.lax.top_k(k = n/64), gather kept V, softmax
 - jaxtopk:   jaxtopk.decode_attention(policy=Ratio(1/64)), INCLUDING its
              certificate (tail mass pass, value-norm bound)
+- jaxtopk_select: breakdown, its logits + Top-k indices alone (the private
+             ``jaxtopk.attention._decode`` steps 1-4: no values, no
+             certificate), to show where the time beyond the floor goes
 
 Each variant is jitted, warmed up, then timed ``--repeats`` times; the JSON
 records min and median (the machine is shared, so min is the steadier
@@ -20,7 +23,9 @@ Usage:
 """
 
 import json
+import os
 import platform
+import sys
 import time
 
 import jax
@@ -30,13 +35,19 @@ from absl import app
 from absl import flags
 
 import jaxtopk
+from jaxtopk.attention import _decode
 
-_OUT = flags.DEFINE_string("out", "bench_decode.json", "JSON output path.")
-_SIZES = flags.DEFINE_list("sizes", ["16384", "131072"], "Key counts n.")
-_REPEATS = flags.DEFINE_integer("repeats", 15, "Timed calls per variant.")
-_HEADS = flags.DEFINE_integer("heads", 8, "Heads (= kv heads).")
-_DIM = flags.DEFINE_integer("head_dim", 128, "Head dimension.")
-_RHO = flags.DEFINE_float("rho", 1 / 64, "Kept fraction.")
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+  """Flags, defined only when run as a script (importable by tests)."""
+  flags.DEFINE_string("out", "bench_decode.json", "JSON output path.")
+  flags.DEFINE_list("sizes", ["16384", "131072"], "Key counts n.")
+  flags.DEFINE_integer("repeats", 15, "Timed calls per variant.")
+  flags.DEFINE_integer("heads", 8, "Heads (= kv heads).")
+  flags.DEFINE_integer("head_dim", 128, "Head dimension.")
+  flags.DEFINE_float("rho", 1 / 64, "Kept fraction.")
 
 
 def time_round_robin(variants, *, repeats):
@@ -98,6 +109,13 @@ def bench(n, *, heads, head_dim, rho, repeats):
   def ours(q, cache):
     return jaxtopk.decode_attention(q, cache, policy=policy)
 
+  @jax.jit
+  def select_only(q, cache):
+    s = _decode._logits(q, cache, scale)[1]  # [b, hk, g, n]
+    valid = jnp.broadcast_to(cache.valid()[:, :, None], s.shape)
+    count = jnp.full(s.shape[:-1], topk, jnp.int32)
+    return _decode.topk_indices(s, count, valid, topk)
+
   res = dict(n=n, heads=heads, head_dim=head_dim, topk=topk)
   res.update(
     time_round_robin(
@@ -106,6 +124,7 @@ def bench(n, *, heads, head_dim, rho, repeats):
         dense=(dense, (qh, keys, values)),
         lax_topk=(lax_topk, (qh, keys, values)),
         jaxtopk=(ours, (q, cache)),
+        jaxtopk_select=(select_only, (q, cache)),
       ),
       repeats=repeats,
     )
@@ -115,7 +134,7 @@ def bench(n, *, heads, head_dim, rho, repeats):
   ref = lax_topk(qh, keys, values)
   res["max_abs_diff_vs_lax_topk"] = float(jnp.max(jnp.abs(out[:, 0] - ref)))
   res["tv_bound_mean"] = float(jnp.mean(cert.tv_bound))
-  for name in ("dense", "lax_topk", "jaxtopk"):
+  for name in ("dense", "lax_topk", "jaxtopk", "jaxtopk_select"):
     for stat in ("min_ms", "median_ms"):
       res[f"{name}_over_floor_{stat[:-3]}"] = (
         res[name][stat] / res["floor"][stat]
@@ -125,14 +144,15 @@ def bench(n, *, heads, head_dim, rho, repeats):
 
 def main(argv):
   del argv
+  load_before = os.getloadavg()
   results = []
-  for n in map(int, _SIZES.value):
+  for n in map(int, FLAGS.sizes):
     r = bench(
       n,
-      heads=_HEADS.value,
-      head_dim=_DIM.value,
-      rho=_RHO.value,
-      repeats=_REPEATS.value,
+      heads=FLAGS.heads,
+      head_dim=FLAGS.head_dim,
+      rho=FLAGS.rho,
+      repeats=FLAGS.repeats,
     )
     print(json.dumps(r), flush=True)
     results.append(r)
@@ -142,15 +162,19 @@ def main(argv):
     cpu_count=jax.local_device_count("cpu"),
     jax=jax.__version__,
     backend=jax.default_backend(),
+    command=" ".join(["python -m experiments.bench_decode", *sys.argv[1:]]),
+    load_avg_1_5_15_min_before=load_before,
+    load_avg_1_5_15_min_after=os.getloadavg(),
     layout="head-major [batch, heads, n, head_dim], float32",
     timing=(
       "jit, 2 warm-up calls, variants timed round-robin, min and median"
       " of --repeats calls each"
     ),
   )
-  with open(_OUT.value, "w") as f:
+  with open(FLAGS.out, "w") as f:
     json.dump(dict(meta=meta, results=results), f, indent=1)
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

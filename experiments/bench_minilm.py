@@ -17,38 +17,24 @@ Launch:
 import json
 import os
 import platform
-import statistics
-import time
 
 import jax
 from absl import app
 from absl import flags
 from flax import nnx
 
+from experiments import _common
 from jaxtopk import nn
 
-_OUT = flags.DEFINE_string("out", None, "JSON file to write.", required=True)
-_BATCH = flags.DEFINE_integer("batch", 8, "Passages per forward pass.")
-_MAX_LEN = flags.DEFINE_integer("max_len", 256, "Tokens per passage (padded).")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs after warm-up.")
+FLAGS = flags.FLAGS
 
 
-def _time(fn, repeats):
-  """Warm-up run (compile), then ``repeats`` timed runs in seconds."""
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn())
-  first = time.perf_counter() - t0
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return dict(
-    first_s=first,
-    median_s=statistics.median(times),
-    min_s=min(times),
-    repeats=repeats,
-  )
+def _define_flags():
+  """Flags, defined only when run as a script (importable beside others)."""
+  flags.DEFINE_string("out", None, "JSON file to write.", required=True)
+  flags.DEFINE_integer("batch", 8, "Passages per forward pass.")
+  flags.DEFINE_integer("max_len", 256, "Tokens per passage (padded).")
+  flags.DEFINE_integer("repeats", 5, "Timed runs after warm-up.")
 
 
 @nnx.jit
@@ -61,15 +47,15 @@ def run(batch_size: int, max_len: int, repeats: int) -> dict:
   texts, sources = nn.real_text_passages(
     batch_size, max_len, seed=0, return_sources=True
   )
-  load = _time(lambda: nn.load_minilm()[0], repeats)
+  load = _common.time_call(lambda: nn.load_minilm()[0], repeats)
   model, tokenizer = nn.load_minilm()
   batch = nn.minilm_tokenize(
     tokenizer, texts, max_len=max_len, pad_to_max_len=True
   )
-  forward = _time(lambda: _embed(model, batch), repeats)
+  forward = _common.time_call(lambda: _embed(model, batch), repeats)
   tokens = batch_size * max_len
   forward["tokens_per_s_at_min"] = tokens / forward["min_s"]
-  rows = _time(
+  rows = _common.time_call(
     lambda: nn.minilm_attention_rows(
       texts,
       max_len,
@@ -99,11 +85,12 @@ def run(batch_size: int, max_len: int, repeats: int) -> dict:
 
 def main(argv):
   del argv
-  record = run(_BATCH.value, _MAX_LEN.value, _REPEATS.value)
-  with open(_OUT.value, "w", encoding="utf-8") as f:
+  record = run(FLAGS.batch, FLAGS.max_len, FLAGS.repeats)
+  with open(FLAGS.out, "w", encoding="utf-8") as f:
     json.dump(record, f, indent=2)
   print(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

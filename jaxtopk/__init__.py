@@ -4,6 +4,7 @@ Attention that looks at a fraction of the keys and returns, with every call,
 a certificate bounding the softmax mass (total variation) it dropped.
 """
 
+from jaxtopk import kernels
 from jaxtopk import nn
 from jaxtopk import parallel
 from jaxtopk import theory

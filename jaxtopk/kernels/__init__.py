@@ -4,6 +4,9 @@ Every kernel has a public wrapper (``interpret=`` for CPU), a frozen
 ``BlockSizes`` and a pure-jnp ``*_reference``.
 """
 
+from jaxtopk.kernels._backend import pallas_decode_attention
+from jaxtopk.kernels._backend import pallas_topk_attention
+from jaxtopk.kernels._backend import register as _register
 from jaxtopk.kernels._block_stats import BlockSizes as BlockStatsSizes
 from jaxtopk.kernels._block_stats import BlockStats
 from jaxtopk.kernels._block_stats import block_stats
@@ -16,13 +19,19 @@ from jaxtopk.kernels._decode import BlockSizes as DecodeSizes
 from jaxtopk.kernels._decode import certified_decode
 from jaxtopk.kernels._decode import certified_decode_reference
 from jaxtopk.kernels._prefill import certified_sparse_attention
+from jaxtopk.kernels._prefill import certified_sparse_attention_reference
 from jaxtopk.kernels._prefill import prefill_certificate
 from jaxtopk.kernels._select import BlockSelection
 from jaxtopk.kernels._select import per_query_kept
 from jaxtopk.kernels._select import select_blocks
 from jaxtopk.kernels._sparse_flash import BlockSizes as SparseFlashSizes
 from jaxtopk.kernels._sparse_flash import (
+  gathered_attention as sparse_flash_gathered_attention,
+)
+from jaxtopk.kernels._sparse_flash import (
   kept_key_mask as sparse_flash_kept_key_mask,
 )
 from jaxtopk.kernels._sparse_flash import sparse_flash_attention
 from jaxtopk.kernels._sparse_flash import sparse_flash_attention_reference
+
+_register()

@@ -85,16 +85,24 @@ class DecodePlan:
   count: jax.Array
 
 
-def plan(query, key, *, mask, scale, block_k: int, num_splits: int):
-  """Orders blocks by box upper bound and deals them to splits (XLA)."""
-  b, h, d = query.shape
-  hkv, n = key.shape[1], key.shape[2]
+def plan(query, box: theory.BoxSummary, *, scale, num_splits: int):
+  """Orders blocks by box upper bound and deals them to splits (XLA).
+
+  Args:
+    query: ``[b, h, d]``.
+    box: key boxes ``[b, h_kv, n_blocks, d]``, counts ``[b, h_kv or 1,
+      n_blocks]`` (``theory.box_summary`` or a KVCache's incremental one).
+    scale: logit scale.
+    num_splits: split-K programs per head.
+  """
+  b, h, _ = query.shape
+  hkv = box.kmin.shape[1]
   g = h // hkv
-  box = theory.box_summary(key, block_size=block_k, mask=_kv_mask(mask, key))
+  count = jnp.broadcast_to(box.count, box.kmin.shape[:3])
   box = theory.BoxSummary(
     kmin=jnp.repeat(box.kmin, g, axis=1),
     kmax=jnp.repeat(box.kmax, g, axis=1),
-    count=jnp.repeat(box.count, g, axis=1),
+    count=jnp.repeat(count, g, axis=1),
   )  # [b, h, nb, d]
   upper = theory.box_upper_bound(query, box, scale=scale)  # [b, h, nb]
   count = box.count
@@ -123,7 +131,6 @@ def plan(query, key, *, mask, scale, block_k: int, num_splits: int):
   rest = jnp.where(jnp.isfinite(rest), rest, _common.MASK_VALUE)
   last = jnp.take_along_axis(order, jnp.maximum(n_live - 1, 0)[..., None], -1)
   order = jnp.where(jnp.arange(bps) < n_live[..., None], order, last)
-  del d, n
   return DecodePlan(order, rest.astype(jnp.float32), n_live, upper, count)
 
 
@@ -411,21 +418,21 @@ def _scored_blocks(pl_, n_scored, nb):
   return jnp.any(onehot, axis=(2, 3))
 
 
-def _certify_decode(query, key, value, out, lse, pl_, scored, mask, scale, bk):
+def _certify_decode(
+  query, out, lse, pl_, scored, box, value_norms, scale, block_k
+):
   b, h, d = query.shape
-  g = h // key.shape[1]
+  g = h // box.kmin.shape[1]
   cnt = pl_.count
   has = cnt > 0
   tail = has & ~scored
-  slack = _common.logit_slack(
-    query[:, :, None, :],
-    _common.block_abs_max(key, block_size=bk, mask=mask),
-    scale=scale,
-  )[:, :, 0]  # [b, h, nb]
+  absmax = jnp.maximum(jnp.abs(box.kmin), jnp.abs(box.kmax))
+  slack = _common.logit_slack(query[:, :, None, :], absmax, scale=scale)[
+    :, :, 0
+  ]  # [b, h, nb]
   head_slack = jnp.max(jnp.where(scored & has, slack, 0.0), axis=-1)
   k_kept = jnp.sum(jnp.where(scored, cnt, 0), axis=-1)
-  vnorm = _certify.block_value_norms(value, block_size=bk, mask=mask)
-  vnorm = jnp.repeat(vnorm, g, axis=1)  # [b, h, nb]
+  vnorm = jnp.repeat(value_norms, g, axis=1)  # [b, h, nb]
   tail_v = jnp.max(jnp.where(tail, vnorm, 0.0), axis=-1)
   log_terms = jnp.log(jnp.maximum(cnt, 1).astype(jnp.float32)) + pl_.upper
   return _certify.certificate(
@@ -435,7 +442,7 @@ def _certify_decode(query, key, value, out, lse, pl_, scored, mask, scale, bk):
     tail_present=tail,
     k_kept=k_kept,
     keys_scored=k_kept,
-    n_terms=key.shape[2] + cnt.shape[-1],
+    n_terms=cnt.shape[-1] * (block_k + 1),
     out_norm=jnp.sqrt(jnp.sum(out.astype(jnp.float32) ** 2, axis=-1)),
     tail_value_norm=tail_v,
     out_dtype=query.dtype,
@@ -462,6 +469,8 @@ def certified_decode(
   eps: float,
   mask=None,
   scale: float | None = None,
+  summary: theory.BoxSummary | None = None,
+  value_norms=None,
   block_sizes: BlockSizes | None = None,
   backend: str | None = None,
   interpret: bool = False,
@@ -479,6 +488,11 @@ def certified_decode(
     eps: target dropped mass in [0, 1); 0 scores every block.
     mask: optional ``[batch, kv_len]`` bool, True for a filled cache slot.
     scale: logit scale, default 1/sqrt(head_dim).
+    summary: optional key boxes of the cache blocks (``block_k`` positions
+      each), e.g. kept incrementally by a KVCache; computed from ``key``
+      (one pass over the keys) when None.
+    value_norms: optional ``[batch, kv_heads, n_blocks]`` upper bounds on
+      the value norms per block; computed from ``value`` when None.
     block_sizes: cache block size and number of splits.
     backend: 'tpu' or 'gpu' grid style; None picks by platform.
     interpret: Pallas interpret mode (CPU).
@@ -492,14 +506,15 @@ def certified_decode(
   d = query.shape[-1]
   scale = float(d**-0.5 if scale is None else scale)
   backend = _common.resolve_backend(backend)
-  pl_ = plan(
-    query,
-    key,
-    mask=mask,
-    scale=scale,
-    block_k=bs.block_k,
-    num_splits=bs.num_splits,
-  )
+  if summary is None:
+    summary = theory.box_summary(
+      key, block_size=bs.block_k, mask=_kv_mask(mask, key)
+    )
+  if value_norms is None:
+    value_norms = _certify.block_value_norms(
+      value, block_size=bs.block_k, mask=mask
+    )
+  pl_ = plan(query, summary, scale=scale, num_splits=bs.num_splits)
   acc, m, ell, n_scored = _run_kernel(
     query, key, value, mask, pl_, (scale, bs, backend, interpret, eps)
   )
@@ -507,7 +522,7 @@ def certified_decode(
   nb = pl_.upper.shape[-1]
   scored = _scored_blocks(pl_, n_scored, nb)
   cert = _certify_decode(
-    query, key, value, out, lse, pl_, scored, mask, scale, bs.block_k
+    query, out, lse, pl_, scored, summary, value_norms, scale, bs.block_k
   )
   return out.astype(query.dtype), cert
 
@@ -535,9 +550,8 @@ def certified_decode_reference(
   hkv, n = key.shape[1], key.shape[2]
   scale = float(d**-0.5 if scale is None else scale)
   bk = bs.block_k
-  pl_ = plan(
-    query, key, mask=mask, scale=scale, block_k=bk, num_splits=bs.num_splits
-  )
+  box = theory.box_summary(key, block_size=bk, mask=_kv_mask(mask, key))
+  pl_ = plan(query, box, scale=scale, num_splits=bs.num_splits)
   kk = jnp.repeat(key, h // hkv, axis=1).astype(jnp.float32)
   vv = jnp.repeat(value, h // hkv, axis=1).astype(jnp.float32)
   s = (

@@ -62,8 +62,8 @@ def certified_sparse_attention(
     query: ``[batch, heads, q_len, head_dim]``.
     key: ``[batch, kv_heads, kv_len, head_dim]`` (GQA).
     value: ``[batch, kv_heads, kv_len, v_dim]``.
-    eps: per-query dropped-mass budget in [0, 1); 0 keeps every block with
-      mass (dense, up to blocks that are fully masked).
+    eps: per-query dropped-mass budget in [0, 1); 0 is dense attention
+      (every block kept, no statistics pass, certificate tau = 0).
     mask: optional ``[batch, kv_len]`` bool, True for a real key.
     scale: logit scale, default 1/sqrt(head_dim).
     is_causal: top-left causal mask, as jax.nn.
@@ -80,12 +80,22 @@ def certified_sparse_attention(
   """
   _common.check_head_major(query, key, value)
   bs = block_sizes or _sparse_flash.BlockSizes.get_default()
-  b, h, nq, d = query.shape
-  hkv, nk = key.shape[1], key.shape[2]
+  d = query.shape[-1]
+  if not 0.0 <= eps < 1.0:
+    raise ValueError(f"{eps=} must be in [0, 1)")
   scale = float(d**-0.5 if scale is None else scale)
+  if eps == 0.0:
+    # Dense: every block is kept, no statistics pass is needed, and the
+    # certificate is tau = 0 (keys_scored = the visible keys, as dense).
+    return _dense(
+      query, key, value, mask, scale, is_causal, bs, backend, interpret
+    )
+  # Selection and certificate are piecewise constant in q, k (THEORY 8.2):
+  # gradients flow only through the sparse kernel's softmax.
+  sq, sk = jax.lax.stop_gradient(query), jax.lax.stop_gradient(key)
   st = _block_stats.block_stats(
-    query,
-    key,
+    sq,
+    sk,
     mask=mask,
     scale=scale,
     is_causal=is_causal,
@@ -110,6 +120,68 @@ def certified_sparse_attention(
     interpret=interpret,
   )
   cert = prefill_certificate(
+    sq,
+    sk,
+    jax.lax.stop_gradient(value),
+    jax.lax.stop_gradient(out),
+    lse_h,
+    st,
+    sel.kept,
+    mask=mask,
+    scale=scale,
+    block_q=bs.block_q,
+    block_k=bs.block_k,
+  )
+  return out, cert
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("eps", "scale", "is_causal", "max_blocks", "block_sizes"),
+)
+def certified_sparse_attention_reference(
+  query,
+  key,
+  value,
+  *,
+  eps: float,
+  mask=None,
+  scale: float | None = None,
+  is_causal: bool = False,
+  max_blocks: int | None = None,
+  block_sizes: _sparse_flash.BlockSizes | None = None,
+) -> tuple[jax.Array, Certificate]:
+  """Pure-jnp ``certified_sparse_attention`` (same arguments, no kernels).
+
+  The same pipeline with ``block_stats_reference`` and
+  ``sparse_flash_attention_reference`` in place of the kernels; eps = 0
+  also goes through the statistics pass (every block with mass is kept, so
+  the output is dense attention and tau = 0 as well).
+  """
+  _common.check_head_major(query, key, value)
+  bs = block_sizes or _sparse_flash.BlockSizes.get_default()
+  if not 0.0 <= eps < 1.0:
+    raise ValueError(f"{eps=} must be in [0, 1)")
+  scale = float(query.shape[-1] ** -0.5 if scale is None else scale)
+  st = _block_stats.block_stats_reference(
+    query, key, mask=mask, scale=scale, is_causal=is_causal, block_k=bs.block_k
+  )
+  sel = _select.select_blocks(
+    st.lse, eps=eps, block_q=bs.block_q, max_blocks=max_blocks
+  )
+  out, lse_h = _sparse_flash.sparse_flash_attention_reference(
+    query,
+    key,
+    value,
+    sel.block_idx,
+    sel.block_count,
+    mask=mask,
+    scale=scale,
+    is_causal=is_causal,
+    block_q=bs.block_q,
+    block_k=bs.block_k,
+  )
+  cert = prefill_certificate(
     query,
     key,
     value,
@@ -122,7 +194,52 @@ def certified_sparse_attention(
     block_q=bs.block_q,
     block_k=bs.block_k,
   )
-  del b, h, hkv, nk
+  return out, cert
+
+
+def _dense(query, key, value, mask, scale, is_causal, bs, backend, interpret):
+  b, h, nq, _ = query.shape
+  nk = key.shape[2]
+  bq, bk = bs.block_q, bs.block_k
+  nqt, nkb = _common.cdiv(nq, bq), _common.cdiv(nk, bk)
+  blk = jnp.arange(nkb, dtype=jnp.int32)
+  if is_causal:
+    last_q = jnp.minimum((jnp.arange(nqt) + 1) * bq - 1, nq - 1)  # [nqt]
+    count = (last_q // bk + 1).astype(jnp.int32)  # blocks 0..last_q // bk
+    idx = jnp.minimum(blk[None, :], count[:, None] - 1)  # [nqt, nkb]
+  else:
+    count = jnp.full((nqt,), nkb, jnp.int32)
+    idx = jnp.broadcast_to(blk, (nqt, nkb))
+  idx = jnp.broadcast_to(idx, (b, h, nqt, nkb))
+  count = jnp.broadcast_to(count, (b, h, nqt))
+  out, lse_h = _sparse_flash.sparse_flash_attention(
+    query,
+    key,
+    value,
+    idx,
+    count,
+    mask=mask,
+    scale=scale,
+    is_causal=is_causal,
+    block_sizes=bs,
+    backend=backend,
+    interpret=interpret,
+  )
+  vis = _block_stats.visible_mask(b, nq, nk, mask, is_causal)
+  n_vis = jnp.broadcast_to(jnp.sum(vis, -1, dtype=jnp.int32), (b, h, nq))
+  none = jnp.zeros((b, h, nq, 1), bool)
+  cert = _certify.certificate(
+    log_head=jax.lax.stop_gradient(lse_h),
+    head_slack=jnp.zeros_like(lse_h),
+    log_tail_terms=jnp.zeros((b, h, nq, 1), jnp.float32),
+    tail_present=none,
+    k_kept=n_vis,
+    keys_scored=n_vis,
+    n_terms=nk,
+    out_norm=jnp.zeros_like(lse_h),
+    tail_value_norm=jnp.zeros_like(lse_h),
+    out_dtype=out.dtype,
+  )
   return out, cert
 
 

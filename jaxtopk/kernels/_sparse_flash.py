@@ -11,11 +11,14 @@ maps (grid axis over list positions, ``pl.when`` skips padding entries,
 which repeat the last index so no new block is fetched). GPU: the kernel
 loops over the list and slices K/V with ``pl.ds``.
 
-Gradients: ``jax.custom_vjp``. The backward pass is NOT a Pallas kernel yet:
-it differentiates ``sparse_flash_attention_reference`` in XLA, which
-materialises a dense [q, kv_len] mask of the kept blocks. It gives the exact
-gradient of block-sparse attention through the kept keys (the selection is
-piecewise constant, THEORY 8.2), but reads every key.
+Gradients: ``jax.custom_vjp``. The backward pass is NOT a Pallas kernel: it
+differentiates ``gathered_attention`` in XLA, which gathers each query
+tile's kept K/V blocks ([b, h, n_q_tiles, max_kept * block_k, d]) and
+recomputes block-sparse attention on them. It is the exact gradient through
+the kept keys (the selection is piecewise constant, THEORY 8.2) and its
+cost grows with the kept blocks, not with kv_len, but it materialises the
+gathered blocks and the [block_q, max_kept * block_k] logits per tile in
+memory instead of streaming them as a flash backward kernel would.
 """
 
 import dataclasses
@@ -306,10 +309,86 @@ def sparse_flash_attention_reference(
     block_q=block_q,
     block_k=block_k,
   )
+  # -inf before exp (not only a where after it): a dropped key with a huge
+  # logit would otherwise overflow exp and turn its zero gradient into NaN.
+  s = jnp.where(keep, s, -jnp.inf)
   lse = jax.nn.logsumexp(s, axis=-1, where=keep)  # [b, h, q]
   has = jnp.isfinite(lse)
   p = jnp.where(keep, jnp.exp(s - jnp.where(has, lse, 0.0)[..., None]), 0.0)
   o = jnp.einsum("bhqk,bhkd->bhqd", p, vv, precision=lax.Precision.HIGHEST)
+  return o.astype(query.dtype), lse
+
+
+def gathered_attention(
+  query,
+  key,
+  value,
+  block_idx,
+  block_count,
+  *,
+  mask=None,
+  scale: float,
+  is_causal: bool = False,
+  block_q: int,
+  block_k: int,
+):
+  """Block-sparse attention on gathered kept blocks (XLA; the backward).
+
+  Same result as ``sparse_flash_attention_reference`` for block lists whose
+  first ``block_count`` entries are distinct (as ``select_blocks`` gives),
+  at a cost that grows with the kept blocks rather than kv_len.
+
+  Args:
+    query: ``[b, h, q_len, d]``; key ``[b, h_kv, kv_len, d]``; value
+      ``[b, h_kv, kv_len, dv]``.
+    block_idx: ``[b, h, n_q_tiles, max_kept]`` int32 kept blocks per tile.
+    block_count: ``[b, h, n_q_tiles]`` int32 valid entries.
+    mask: optional ``[b, kv_len]`` bool, True for a real key.
+    scale: logit scale.
+    is_causal: top-left causal mask.
+    block_q: queries per tile; block_k: keys per block.
+
+  Returns:
+    (output ``[b, h, q_len, dv]`` in the query dtype, lse ``[b, h, q_len]``
+    float32, -inf and a zero output where no real key is kept).
+  """
+  b, h, nq, d = query.shape
+  hkv, nk, dv = key.shape[1], key.shape[2], value.shape[-1]
+  g = h // hkv
+  nqt, nkb = _common.cdiv(nq, block_q), _common.cdiv(nk, block_k)
+  m_kept = block_idx.shape[-1]
+  f32 = jnp.float32
+  qt = _common.pad_to(query.astype(f32), 2, block_q)
+  qt = qt.reshape(b, h, nqt, block_q, d)
+  kb = _common.pad_to(key.astype(f32), 2, block_k).reshape(
+    b, hkv, nkb, block_k, d
+  )
+  vb = _common.pad_to(value.astype(f32), 2, block_k).reshape(
+    b, hkv, nkb, block_k, dv
+  )
+  bi = jnp.arange(b)[:, None, None, None]
+  hi = (jnp.arange(h) // g)[None, :, None, None]
+  width = m_kept * block_k
+  kg = kb[bi, hi, block_idx].reshape(b, h, nqt, width, d)
+  vg = vb[bi, hi, block_idx].reshape(b, h, nqt, width, dv)
+  pos = block_idx[..., None] * block_k + jnp.arange(block_k)
+  live = jnp.arange(m_kept) < block_count[..., None]  # [b, h, nqt, M]
+  ok = (live[..., None] & (pos < nk)).reshape(b, h, nqt, width)
+  if mask is not None:
+    mp = _common.pad_to(jnp.asarray(mask, bool), 1, block_k, False)
+    ok = ok & mp[bi, pos.reshape(b, h, nqt, width)]
+  ok = ok[:, :, :, None, :]  # [b, h, nqt, 1, width]
+  if is_causal:
+    qpos = jnp.arange(nqt * block_q).reshape(nqt, block_q)
+    ok = ok & (pos.reshape(b, h, nqt, 1, width) <= qpos[:, :, None])
+  s = jnp.einsum("bhtid,bhtjd->bhtij", qt, kg, precision=lax.Precision.HIGHEST)
+  # -inf (not a where after exp) keeps the gradient of dropped keys at 0.
+  s = jnp.where(ok, s * scale, -jnp.inf)
+  lse = jax.nn.logsumexp(s, axis=-1, where=ok)  # [b, h, nqt, bq]
+  p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+  o = jnp.einsum("bhtij,bhtjd->bhtid", p, vg, precision=lax.Precision.HIGHEST)
+  o = o.reshape(b, h, nqt * block_q, dv)[:, :, :nq]
+  lse = lse.reshape(b, h, nqt * block_q)[:, :, :nq]
   return o.astype(query.dtype), lse
 
 
@@ -328,7 +407,7 @@ def _bwd(cfg, res, cts):
   scale, is_causal, bs, _, _ = cfg
 
   def ref(q, k, v):
-    return sparse_flash_attention_reference(
+    return gathered_attention(
       q,
       k,
       v,

@@ -12,8 +12,6 @@ from jaxtopk.nn._bert import MiniLM
 from jaxtopk.nn._bert_config import BertConfig
 from jaxtopk.nn._certificates import collect_certificates
 from jaxtopk.nn._certificates import per_head_report
-
-# Native Top-k decoder and selectors (issue 7).
 from jaxtopk.nn._decoder import DecodeCache
 from jaxtopk.nn._decoder import DecoderConfig
 from jaxtopk.nn._decoder import TopKDecoder

@@ -15,7 +15,8 @@ GQA needs no copy of the cache: the ``group = heads / kv_heads`` query heads
 sharing a kv head become ``group`` query rows of that head.
 
 Per decode step and query row, the collectives carry: for count policies an
-all-gather of ``kv_shards * min(topk, n_local)`` candidate logits, for
+all-gather of ``kv_shards * min(topk, n_local)`` candidate logits or, when
+cheaper, 4 psums of 256-bin radix counts (``global_topk_keep``), for
 Certified two psums of 64-bin histograms, then one psum of (v_dim + 1)
 floats, an all-gather of one float per shard and a few pmax/psum scalars.
 The cache's block summaries are not read: Certified 'delta' and 'mc' run the

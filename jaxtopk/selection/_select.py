@@ -190,7 +190,9 @@ def select(logits, policy, *, mask=None, values=None, key=None) -> Selection:
     raise ValueError(f"logits must be floating; got {logits.dtype=}")
   _check_policy(policy)
   if mask is None:
-    valid = jnp.ones(logits.shape, bool)
+    # The barrier keeps XLA from constant-folding reductions over an
+    # all-True mask (seconds of compile time at n = 262,144).
+    valid = jax.lax.optimization_barrier(jnp.ones(logits.shape, bool))
   else:
     mask = jnp.asarray(mask, bool)
     try:

@@ -225,6 +225,20 @@ class CertifiedSearchSmokeTest(absltest.TestCase):
         self.assertGreaterEqual(r["kept_frac"], r["k_eps_frac"] - 1e-9, r)
       if r["search"] == "exact":
         self.assertAlmostEqual(r["scored_frac"], 1.0)
+    gaps = {
+      r["source"]: r for r in _common.read_metrics(workdir, "block_bound")
+    }
+    self.assertEqual(set(gaps), {r["source"] for r in records})
+    for r in gaps.values():
+      # Sound block bounds: u_b >= every real logit of its block.
+      self.assertGreaterEqual(r["p10_gap"], 0.0, r)
+      self.assertBetween(r["frac_blocks_above_row_max"], 0.0, 1.0)
+    # Keys clustered by block give tighter block bounds than iid keys.
+    sigma = config.synthetic.sigmas[0]
+    self.assertLess(
+      gaps[f"clustered sigma={sigma}"]["median_gap"],
+      gaps[f"gaussian sigma={sigma}"]["median_gap"],
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,13 @@ class KernelTestCase(parameterized.TestCase):
     if not self.INTERPRET and jax.default_backend() == "cpu":
       self.skipTest("compiled kernels need a TPU or GPU")
 
+  def grid(self, backend: str) -> str:
+    """``backend`` (grid style) to test; compiled runs skip the other one."""
+    here = "gpu" if jax.default_backend() == "gpu" else "tpu"
+    if not self.INTERPRET and backend != here:
+      self.skipTest(f"the {backend} grid style compiles only on a {backend}")
+    return backend
+
   def inputs(self, b, h, hkv, nq, nk, d, dv, dtype, seed=0, spread=2.0):
     """q [b,h,nq,d], k [b,hkv,nk,d], v [b,hkv,nk,dv], padding mask [b,nk]."""
     ks = jax.random.split(jax.random.fold_in(jax.random.key(0), seed), 4)

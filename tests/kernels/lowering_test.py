@@ -69,6 +69,85 @@ class LoweringTest(parameterized.TestCase):
     )
     self.assertIn("jaxtopk_sparse_flash", text)
 
+  @parameterized.product(platform=_PLATFORMS, dtype=[jnp.float32, jnp.bfloat16])
+  def test_certified_decode(self, platform, dtype):
+    plat, backend = platform
+    fn = functools.partial(
+      kernels.certified_decode,
+      eps=0.01,
+      backend=backend,
+      block_sizes=kernels.DecodeSizes(128, 4),
+    )
+    text = _export(
+      lambda q, k, v, m: fn(q, k, v, mask=m),
+      plat,
+      S((B, H, D), dtype),
+      S((B, HKV, 4 * NK, D), dtype),
+      S((B, HKV, 4 * NK, D), dtype),
+      S((B, 4 * NK), bool),
+    )
+    self.assertIn("jaxtopk_certified_decode", text)
+
+  @parameterized.parameters(*_PLATFORMS)
+  def test_certified_prefill_and_gradient(self, plat, backend):
+    # The whole prefill (stats -> XLA selection -> sparse flash ->
+    # certificate) and the custom_vjp backward (XLA) lower for the platform.
+    fn = functools.partial(
+      kernels.certified_sparse_attention,
+      eps=0.01,
+      is_causal=True,
+      backend=backend,
+      block_sizes=kernels.SparseFlashSizes(128, 128),
+    )
+
+    def loss(q, k, v, m):
+      out, cert = fn(q, k, v, mask=m)
+      return jnp.sum(out.astype(jnp.float32)), cert.tv_bound
+
+    avals = (
+      S((B, H, NQ, D), jnp.bfloat16),
+      S((B, HKV, NK, D), jnp.bfloat16),
+      S((B, HKV, NK, D), jnp.bfloat16),
+      S((B, NK), bool),
+    )
+    text = _export(loss, plat, *avals)
+    self.assertIn("jaxtopk_block_stats", text)
+    self.assertIn("jaxtopk_sparse_flash", text)
+    # The backward differentiates the XLA reference over the kept blocks
+    # (no Pallas backward kernel): only the stats kernel, which chooses the
+    # blocks, remains a Pallas call in the gradient.
+    grad = jax.grad(lambda *a: loss(*a)[0], argnums=(0, 1, 2))
+    gtext = _export(grad, plat, *avals)
+    self.assertTrue("jaxtopk_block_stats" in gtext)
+
+  @parameterized.parameters(*_PLATFORMS)
+  def test_ragged_lengths(self, plat, backend):
+    # q_len 200 and kv_len 300 are not multiples of the 128 tiles (nor
+    # powers of 2): the wrappers pad, so both pipelines still lower.
+    nq, nk, dt = 200, 300, jnp.bfloat16
+    pre = functools.partial(
+      kernels.certified_sparse_attention,
+      eps=0.01,
+      is_causal=True,
+      backend=backend,
+      block_sizes=kernels.SparseFlashSizes(128, 128),
+    )
+    dec = functools.partial(
+      kernels.certified_decode,
+      eps=0.01,
+      backend=backend,
+      block_sizes=kernels.DecodeSizes(128, 2),
+    )
+    kv = (S((B, HKV, nk, D), dt), S((B, HKV, nk, D), dt), S((B, nk), bool))
+    text = _export(
+      lambda q, k, v, m: pre(q, k, v, mask=m), plat, S((B, H, nq, D), dt), *kv
+    )
+    self.assertTrue("jaxtopk_sparse_flash" in text)
+    text = _export(
+      lambda q, k, v, m: dec(q, k, v, mask=m), plat, S((B, H, D), dt), *kv
+    )
+    self.assertTrue("jaxtopk_certified_decode" in text)
+
   def test_bad_tiling_is_caught(self):
     # block_q = 24 is not a power of 2, which Triton requires.
     fn = functools.partial(

@@ -2,12 +2,14 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 
 from jaxtopk import kernels
 from tests.kernels import base
 from tests.kernels import oracle
+from tests.tolerances import tol
 
 BQ, BK = 16, 32
 
@@ -69,6 +71,26 @@ class PrefillCertificateTest(base.KernelTestCase):
     np.testing.assert_array_equal(cert.keys_scored, n_vis + keep.sum(-1))
     if not causal:  # causal rows of 37 queries see at most 2 blocks
       self.assertLess(float(np.mean(cert.k_kept)), 0.7 * float(np.mean(n_vis)))
+    # Same as the pure-jnp pipeline (reference kernels, same selection).
+    ro, rc = kernels.certified_sparse_attention_reference(
+      q,
+      k,
+      v,
+      eps=eps,
+      mask=mask,
+      is_causal=causal,
+      block_sizes=kernels.SparseFlashSizes(BQ, BK),
+    )
+    np.testing.assert_allclose(
+      np.asarray(out, np.float32), np.asarray(ro, np.float32), **tol(dtype)
+    )
+    np.testing.assert_array_equal(cert.k_kept, rc.k_kept)
+    np.testing.assert_array_equal(cert.keys_scored, rc.keys_scored)
+    np.testing.assert_allclose(cert.tv_bound, rc.tv_bound, rtol=1e-4)
+    # The output-error bound uses |out|, rounded to the input dtype.
+    np.testing.assert_allclose(
+      cert.output_error_bound, rc.output_error_bound, **tol(dtype)
+    )
 
   def test_eps_zero_keeps_everything(self):
     q, k, v, mask = self.inputs(1, 3, 3, 13, 70, 8, 7, jnp.float32)
@@ -84,6 +106,7 @@ class PrefillCertificateTest(base.KernelTestCase):
     self.assertTrue(np.all(tv >= tau))
     self.assertGreater(tv.max(), 0.001)  # the cap broke the budget: said so
 
+  @pytest.mark.slow
   def test_adversarial_rows(self):
     # One batch row per case: ties, repeated keys, huge logits, a single real
     # key, and no real key at all (invalid certificate).
@@ -103,6 +126,12 @@ class PrefillCertificateTest(base.KernelTestCase):
     self.assertTrue(np.all(tv >= tau[:4]), f"{np.min(tv - tau[:4])=}")
     eb = np.asarray(cert.output_error_bound, np.float64)[:4]
     self.assertTrue(np.all(err[:4] <= eb + 1e-9))
+
+
+class PrefillCertificateCompiledTest(PrefillCertificateTest):
+  """The same tests on compiled kernels (skipped without a TPU or GPU)."""
+
+  INTERPRET = False
 
 
 if __name__ == "__main__":

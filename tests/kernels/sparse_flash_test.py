@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 
@@ -49,7 +50,7 @@ class SparseFlashTest(base.KernelTestCase):
       mask,
       causal,
       block_sizes=kernels.SparseFlashSizes(BQ, BK),
-      backend=backend,
+      backend=self.grid(backend),
       interpret=self.INTERPRET,
     )
     ro, rl = _call(
@@ -96,8 +97,9 @@ class SparseFlashTest(base.KernelTestCase):
     np.testing.assert_allclose(o, dense, **tolerances.tol(jnp.float32))
     self.assertTrue(bool(jnp.all(jnp.isfinite(lse))))
 
-  @parameterized.parameters("tpu", "gpu")
-  def test_gradients_match_reference(self, backend):
+  @pytest.mark.slow
+  def test_gradients_match_reference(self, backend="gpu"):
+    # One grid style: the backward pass is the same XLA code for both.
     q, k, v, mask = base.planted(
       1, 4, 2, 19, 70, 8, 5, jnp.float32, block_k=BK, block_q=BQ, seed=5
     )
@@ -113,7 +115,7 @@ class SparseFlashTest(base.KernelTestCase):
         kernels.sparse_flash_attention,
         *a,
         block_sizes=kernels.SparseFlashSizes(BQ, BK),
-        backend=backend,
+        backend=self.grid(backend),
         interpret=self.INTERPRET,
       ),
       argnums=(0, 1, 2),
@@ -151,6 +153,58 @@ class SparseFlashTest(base.KernelTestCase):
         block_sizes=kernels.SparseFlashSizes(BQ, BK),
         interpret=True,
       )
+
+
+class GatheredAttentionTest(parameterized.TestCase):
+  """The backward's XLA function (no Pallas): same as the reference."""
+
+  @parameterized.named_parameters(("causal", True), ("padded", False))
+  def test_matches_reference_and_gradient(self, causal):
+    # GQA 6 / 3 heads, q_len 37 and kv_len 101 ragged in 16 / 32 tiles.
+    q, k, v, mask = base.planted(
+      2, 6, 3, 37, 101, 8, 5, jnp.float32, block_k=BK, block_q=BQ
+    )
+    # A dropped key with a huge logit (chosen without it, then planted): its
+    # gradient must stay 0, not NaN from an overflowing exp.
+    mask = mask.at[0, 100].set(True)
+    sel = _selection(q, k, mask, causal, eps=0.05)
+    k = k.at[0, 0, 100].set(50.0 * q[0, 0, 0])
+    dropped = ~jnp.any(sel.kept[0, 0, :, 3])  # block 3 holds key 100
+    self.assertTrue(bool(dropped) or causal)  # causal: no tile sees it
+    kw = dict(mask=mask, is_causal=causal, block_q=BQ, block_k=BK)
+    sc = dict(scale=8**-0.5)
+    ct = jax.random.normal(jax.random.key(2), (2, 6, 37, 5))
+
+    def loss(fn, q, k, v, **extra):
+      o, lse = fn(q, k, v, sel.block_idx, sel.block_count, **kw, **extra)
+      return jnp.sum(o * ct) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+
+    got = kernels.sparse_flash_gathered_attention(
+      q, k, v, sel.block_idx, sel.block_count, **sc, **kw
+    )
+    want = kernels.sparse_flash_attention_reference(
+      q, k, v, sel.block_idx, sel.block_count, **kw
+    )
+    for a, b in zip(got, want, strict=True):
+      base.finite_close(self, a, b, **tolerances.tol(jnp.float32))
+    args = (0, 1, 2)
+    g_got = jax.grad(
+      lambda *a: loss(kernels.sparse_flash_gathered_attention, *a, **sc),
+      argnums=args,
+    )(q, k, v)
+    g_want = jax.grad(
+      lambda *a: loss(kernels.sparse_flash_attention_reference, *a),
+      argnums=args,
+    )(q, k, v)
+    for a, b in zip(g_got, g_want, strict=True):
+      self.assertTrue(bool(jnp.all(jnp.isfinite(a))))
+      np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+class SparseFlashCompiledTest(SparseFlashTest):
+  """The same tests on compiled kernels (skipped without a TPU or GPU)."""
+
+  INTERPRET = False
 
 
 if __name__ == "__main__":

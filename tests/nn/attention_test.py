@@ -136,6 +136,19 @@ class ParityTest(parameterized.TestCase):
       **tol(jnp.float32),
     )
 
+  def test_row_without_real_key_gives_zeros_and_invalid_certificate(self):
+    # Documented difference from Flax (which averages all values there).
+    layer, _ = _pair(jaxtopk.FixedK(3))
+    xq, xk = _inputs()
+    mask = jnp.ones((BATCH, 1, Q_LEN, KV_LEN), bool).at[0, :, 1].set(False)
+    y = layer(xq, xk, mask=mask)
+    cert = layer.last_certificate.get_value()  # [b, q, heads]
+    empty_out = layer.out(jnp.zeros((4, 3)))  # zero core: the out bias
+    np.testing.assert_allclose(y[0, 1], empty_out, **tol(jnp.float32))
+    self.assertFalse(bool(jnp.any(cert.valid[0, 1])))
+    others = jnp.ones(cert.valid.shape, bool).at[0, 1].set(False)
+    self.assertTrue(bool(jnp.all(cert.valid | ~others)))
+
 
 class DecodeTest(parameterized.TestCase):
   """Decode step by step equals a causal full-sequence forward."""

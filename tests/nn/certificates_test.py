@@ -240,6 +240,21 @@ class CollectTest(absltest.TestCase):
     np.testing.assert_allclose(report["k_kept_mean"], want)
     np.testing.assert_allclose(report["valid_fraction"], 1.0)
 
+  def test_capture_sows_the_same_certificates(self):
+    model = Model(jaxtopk.FixedK(3), rngs=nnx.Rngs(0))
+    x = normal((BATCH, SEQ, FEATURES))
+    _, inter = nnx.capture(model, nnx.Intermediate)(x)
+    sown = topk_nn.collect_certificates(inter)
+    kept = topk_nn.collect_certificates(model)
+    self.assertEqual(
+      sorted(sown), ["blocks/0/certificate/0", "blocks/1/certificate/0"]
+    )
+    for i in (0, 1):
+      chex.assert_trees_all_close(
+        sown[f"blocks/{i}/certificate/0"],
+        kept[f"blocks/{i}/last_certificate"],
+      )
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -5,17 +5,13 @@ collectives (psum, pmax, all_gather, axis_index) behave as under shard_map;
 the real multi-device runs are in ``multidevice/``.
 """
 
-import functools
-
 import hypothesis
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
 from hypothesis import strategies as st
 
-import jaxtopk
 from jaxtopk import Certified
 from jaxtopk import Dense
 from jaxtopk import FixedK
@@ -93,34 +89,6 @@ class KvShardAttentionTest(parameterized.TestCase):
       np.asarray(out)[ok], dense[ok], **tol(jnp.float32)
     )
 
-  def test_gradients_equal_topk_attention(self):
-    # Gradients flow through the merged softmax over the kept keys (psum and
-    # all-gather are differentiable); the kept set is piecewise constant.
-    q, k, v, valid = _inputs(4, 15)
-    w = jnp.asarray(np.random.default_rng(4).standard_normal((B, H, T, E)))
-    policy = FixedK(4)
-
-    sim = truth.simulator(policy, 3, float(D**-0.5), 15)
-
-    def sharded(q, k, v):
-      split = functools.partial(truth.split_kv, n_shards=3)
-      out = sim(q, split(k), split(v), split(valid, axis=3))[0][0]
-      return jnp.sum(jnp.where(valid.any(-1)[..., None], out, 0) * w)
-
-    def single(q, k, v):
-      out, _ = jaxtopk.topk_attention(
-        *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)),
-        policy=policy,
-        mask=valid,
-      )
-      out = jnp.swapaxes(out, 1, 2)  # [b, h, t, e]
-      return jnp.sum(jnp.where(valid.any(-1)[..., None], out, 0) * w)
-
-    got = jax.grad(sharded, argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(single, argnums=(0, 1, 2))(q, k, v)
-    for g, r in zip(got, want, strict=True):
-      np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
-
 
 class SoundnessTest(parameterized.TestCase):
   """Global certificates never below the float64 truth (THEORY 3.4)."""
@@ -132,7 +100,7 @@ class SoundnessTest(parameterized.TestCase):
     ("ratio_2x7_bf16", Ratio(0.2), 2, 14, jnp.bfloat16),
     ("certified_3x5_bf16", Certified(0.01), 3, 15, jnp.bfloat16),
   )
-  @hypothesis.settings(max_examples=25)
+  @hypothesis.settings(max_examples=15)
   @hypothesis.given(
     seed=st.integers(0, 2**16),
     log_q_scale=st.floats(-2.0, 2.5),

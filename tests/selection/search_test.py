@@ -20,8 +20,9 @@ def _truth(q, k, keep, mask, scale):
   """float64 tau of the kept set, per row."""
   s = np.einsum("rd,rnd->rn", q.astype(np.float64), k.astype(np.float64))
   s = np.where(mask, s * scale, -np.inf)
-  e = np.exp(s - s.max(-1, keepdims=True))
-  return (e * ~keep).sum(-1) / e.sum(-1)
+  with np.errstate(invalid="ignore"):  # all-masked rows give NaN, unused
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return (e * ~keep).sum(-1) / e.sum(-1)
 
 
 def _clustered(seed, r, n, d, spread=3.0):

@@ -25,11 +25,11 @@ def setUpModule():
     raise RuntimeError(f"needs 8 devices, found {jax.device_count()}")
 
 
-def _cache_and_query(seed):
+def _cache_and_query(seed, filled=FILLED):
   rng = np.random.default_rng(seed)
   cache = jaxtopk.init_kv_cache(B, MAX_LEN, HK, D, block_size=16)
-  k = jnp.asarray(rng.standard_normal((B, FILLED, HK, D)), jnp.float32)
-  v = jnp.asarray(rng.standard_normal((B, FILLED, HK, D)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((B, filled, HK, D)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((B, filled, HK, D)), jnp.float32)
   cache = jaxtopk.kv_cache_update(cache, k, v)
   q = jnp.asarray(rng.standard_normal((B, 1, HK * G, D)) * 3, jnp.float32)
   return cache, q
@@ -42,9 +42,24 @@ class ShardedDecodeTest(parameterized.TestCase):
     ("heads2_kv4_certified", {"heads": 2, "kv": 4}, Certified(0.05)),
   )
   def test_sharded_decode_equals_decode_attention(self, axes, policy):
-    cache, q = _cache_and_query(0)
+    # The cache holds FILLED - 2 positions when sharded; two more are
+    # appended to the SHARDED cache (a decode step's kv_cache_update, jitted
+    # to keep the cache's shardings), then one step is decoded.
+    cache, q = _cache_and_query(0, FILLED - 2)
+    rng = np.random.default_rng(1)
+    k_new, v_new = (
+      jnp.asarray(rng.standard_normal((B, 2, HK, D)), jnp.float32)
+      for _ in range(2)
+    )
     mesh = parallel.make_mesh(axes)
-    cache_s = jax.device_put(cache, parallel.cache_shardings(mesh, cache))
+    shardings = parallel.cache_shardings(mesh, cache)
+    cache_s = jax.device_put(cache, shardings)
+    cache_s = jax.jit(jaxtopk.kv_cache_update, out_shardings=shardings)(
+      cache_s, k_new, v_new
+    )
+    self.assertEqual(cache_s.keys.sharding, shardings.keys)
+    cache = jaxtopk.kv_cache_update(cache, k_new, v_new)
+    np.testing.assert_array_equal(cache_s.length, FILLED)
     out, cert = parallel.sharded_decode_attention(
       q, cache_s, policy=policy, mesh=mesh
     )

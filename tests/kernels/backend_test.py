@@ -1,0 +1,172 @@
+"""implementation='pallas' of topk_attention / decode_attention vs 'xla'."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import absltest
+from absl.testing import parameterized
+
+import jaxtopk
+from tests.kernels import base
+
+
+def _same_certificate(test, a, b):
+  for name in ("tv_bound", "log_tv_bound", "k_kept", "keys_scored", "valid"):
+    np.testing.assert_array_equal(
+      getattr(a, name), getattr(b, name), err_msg=name
+    )
+  np.testing.assert_allclose(a.output_error_bound, b.output_error_bound)
+  del test
+
+
+def _dense_np(q, k, v, vis):
+  """float64 dense attention, jax.nn layout [b, t, h, d]."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  g = q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+  s = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+  s = np.where(vis, s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p = p / p.sum(-1, keepdims=True)
+  return np.einsum("bhts,bshd->bthd", p, v)
+
+
+class PallasTopkAttentionTest(base.KernelTestCase):
+  def _inputs(self):
+    q, k, v, mask = base.planted(
+      2, 4, 2, 21, 101, 8, 8, jnp.float32, block_k=32, block_q=16
+    )
+    sw = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    return sw(q), sw(k), sw(v), mask[:, None, None, :]
+
+  @parameterized.named_parameters(("causal", True), ("padded", False))
+  def test_dense_policy_same_as_xla(self, causal):
+    q, k, v, mask = self._inputs()
+    kw = dict(policy=jaxtopk.Dense(), mask=mask, is_causal=causal)
+    ox, cx = jaxtopk.topk_attention(q, k, v, **kw)
+    op, cp = jaxtopk.topk_attention(q, k, v, implementation="pallas", **kw)
+    np.testing.assert_allclose(op, ox, atol=1e-5, rtol=1e-5)
+    _same_certificate(self, cp, cx)
+
+  def test_dense_gradients_same_as_xla(self):
+    q, k, v, mask = self._inputs()
+    ct = jax.random.normal(jax.random.key(3), (2, 21, 4, 8))
+
+    def loss(impl, q, k, v):
+      out, _ = jaxtopk.topk_attention(
+        q, k, v, policy=jaxtopk.Dense(), mask=mask, implementation=impl
+      )
+      return jnp.sum(out * ct)
+
+    gx = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2))(q, k, v)
+    gp = jax.grad(lambda *a: loss("pallas", *a), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(gp, gx, strict=True):
+      np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+  def test_certified_policy_agrees_with_xla_within_bounds(self):
+    q, k, v, mask = self._inputs()
+    eps = 0.05
+    kw = dict(policy=jaxtopk.Certified(eps, block_size=32), mask=mask)
+    ox, cx = jaxtopk.topk_attention(q, k, v, **kw)
+    op, cp = jaxtopk.topk_attention(q, k, v, implementation="pallas", **kw)
+    self.assertEqual(cp.shape, cx.shape)
+    self.assertTrue(bool(jnp.all(cp.valid == cx.valid)))
+    self.assertTrue(bool(jnp.all(cp.tv_bound <= eps * 1.001)))
+    self.assertTrue(bool(jnp.all(cx.tv_bound <= eps * 1.001)))
+    dense = _dense_np(q, k, v, np.asarray(mask))
+    for o, c in ((op, cp), (ox, cx)):
+      err = np.linalg.norm(np.asarray(o, np.float64) - dense, axis=-1)
+      bound = np.asarray(c.output_error_bound, np.float64)
+      self.assertTrue(np.all(err <= bound + 1e-5), f"{np.max(err - bound)=}")
+    # Same results either way, up to what each certifies.
+    gap = np.linalg.norm(np.asarray(op - ox, np.float64), axis=-1)
+    both = np.asarray(cp.output_error_bound + cx.output_error_bound)
+    self.assertTrue(np.all(gap <= both + 1e-5))
+    # The kernel path really skipped blocks.
+    n_real = jnp.sum(mask, axis=-1)[:, :, :1]  # [b, 1, 1] real keys per row
+    self.assertLess(float(jnp.mean(cp.k_kept / n_real)), 0.85)
+
+  def test_unsupported_raise(self):
+    q, k, v, mask = self._inputs()
+    with self.assertRaisesRegex(NotImplementedError, "FixedK"):
+      jaxtopk.topk_attention(
+        q, k, v, policy=jaxtopk.FixedK(3), implementation="pallas"
+      )
+    with self.assertRaisesRegex(NotImplementedError, "bias"):
+      jaxtopk.topk_attention(
+        q,
+        k,
+        v,
+        policy=jaxtopk.Dense(),
+        bias=jnp.zeros((1, 1, 21, 101)),
+        implementation="pallas",
+      )
+    with self.assertRaisesRegex(NotImplementedError, "key-padding"):
+      jaxtopk.topk_attention(
+        q,
+        k,
+        v,
+        policy=jaxtopk.Dense(),
+        mask=jnp.ones((2, 1, 21, 101), bool),
+        implementation="pallas",
+      )
+
+
+class PallasDecodeAttentionTest(base.KernelTestCase):
+  def _cache(self):
+    q, k, v, _ = base.planted(
+      2, 4, 2, 1, 150, 8, 8, jnp.float32, block_k=16, block_q=1
+    )
+    cache = jaxtopk.init_kv_cache(2, 192, 2, 8, block_size=16)
+    sw = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    cache = jaxtopk.kv_cache_update(cache, sw(k), sw(v))
+    return sw(q), cache
+
+  def test_dense_same_as_xla(self):
+    q, cache = self._cache()
+    ox, cx = jaxtopk.decode_attention(q, cache, policy=jaxtopk.Dense())
+    op, cp = jaxtopk.decode_attention(
+      q, cache, policy=jaxtopk.Dense(), implementation="pallas"
+    )
+    self.assertEqual(op.shape, (2, 1, 4, 8))
+    np.testing.assert_allclose(op, ox, atol=1e-5, rtol=1e-5)
+    _same_certificate(self, cp, cx)
+
+  @pytest.mark.slow
+  def test_certified_agrees_with_xla_within_bounds(self):
+    q, cache = self._cache()
+    pol = jaxtopk.Certified(0.05, search="delta", block_size=16)
+    ox, cx = jaxtopk.decode_attention(q, cache, policy=pol)
+    op, cp = jaxtopk.decode_attention(
+      q, cache, policy=pol, implementation="pallas"
+    )
+    self.assertTrue(bool(jnp.all(cp.valid)))
+    self.assertTrue(bool(jnp.all(cp.tv_bound <= 0.05)))
+    self.assertLess(float(jnp.max(cp.keys_scored)), 150)
+    # Block-granular Delta-Search scores about as many keys as the XLA path.
+    self.assertLessEqual(
+      float(jnp.mean(cp.keys_scored)), 1.25 * float(jnp.mean(cx.keys_scored))
+    )
+    gap = np.linalg.norm(np.asarray(op - ox, np.float64), axis=-1)
+    both = np.asarray(cp.output_error_bound + cx.output_error_bound)
+    self.assertTrue(np.all(gap <= both + 1e-5))
+    od, _ = jaxtopk.decode_attention(q, cache, policy=jaxtopk.Dense())
+    err = np.linalg.norm(np.asarray(op - od, np.float64), axis=-1)
+    self.assertTrue(np.all(err <= np.asarray(cp.output_error_bound) + 1e-5))
+
+
+class PallasTopkAttentionCompiledTest(PallasTopkAttentionTest):
+  """The same tests on compiled kernels (skipped without a TPU or GPU)."""
+
+  INTERPRET = False
+
+
+class PallasDecodeAttentionCompiledTest(PallasDecodeAttentionTest):
+  """The same tests on compiled kernels (skipped without a TPU or GPU)."""
+
+  INTERPRET = False
+
+
+if __name__ == "__main__":
+  absltest.main()
