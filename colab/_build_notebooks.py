@@ -634,13 +634,18 @@ per-block statistics (block maxima and boxes), a certification step picks,
 per query tile, the fewest key blocks whose bound meets eps, and a
 block-sparse flash-attention kernel reads only those blocks.
 `kernels.certified_sparse_attention` takes the head-major layout
-`[batch, heads, seq, head_dim]`. On CPU the kernels run in Pallas
+`[batch, heads, seq, head_dim]`; `topk_attention(...,
+implementation="pallas")` runs the same kernels behind the usual jax.nn
+layout (block-granular selection: whole blocks of `block_size` keys). On CPU the kernels run in Pallas
 **interpret mode** (`interpret=True`: correct, slow, for testing); on a GPU
 or TPU runtime they compile (`interpret=False`). Its certificate covers
 every query of a tile, so it keeps more keys than per-query selection would;
 it pays when the queries of a tile want the same keys (below: keys in topic
 blocks, each tile of queries asking about one topic). `keys_scored` also
 counts the block-statistics pass, so it can exceed the number of keys.
+Through `topk_attention` the query tile is up to 128 queries (here several
+topics per tile), so it keeps more keys than 32-query tiles; the XLA path
+selects per query and keeps the fewest.
 """,
   ),
   (
@@ -657,7 +662,7 @@ centres = jax.random.normal(kc, (b, h, n_tiles, 1, d))
 k = centres + 0.3 * jax.random.normal(kn, (b, h, n_tiles, tile, d))
 k = k.reshape(b, h, s, d)  # head-major [b, h, s, d]
 topic = jax.random.randint(kp, (b, h, n_tiles, 1, 1), 0, n_tiles)
-q = jnp.take_along_axis(centres[:, :, :, 0], topic[..., 0], axis=2)
+q = 2.0 * jnp.take_along_axis(centres[:, :, :, 0], topic[..., 0], axis=2)
 q = q[:, :, :, None] + 0.3 * jax.random.normal(kq, (b, h, n_tiles, tile, d))
 q = q.reshape(b, h, s, d)
 v = jax.random.normal(kv, (b, h, s, d))
@@ -686,6 +691,17 @@ ax.set_ylim(0, s * 1.05)
 ax.set_title(f"Pallas certified sparse attention, eps=0.05, {tile}x{tile} tiles")
 ax.legend()
 plt.show()
+
+# The same kernels behind the backend switch of topk_attention (jax.nn
+# layout; interpret mode is picked on CPU), against the XLA path:
+x_q, x_k, x_v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+policy = jaxtopk.Certified(0.05, block_size=tile)
+for impl in ("pallas", "xla"):
+  out_i, cert_i = jaxtopk.topk_attention(x_q, x_k, x_v, policy=policy,
+                                         implementation=impl)
+  print(f"implementation={impl!r}: keys kept"
+        f" {float(jnp.mean(cert_i.k_kept)):.1f} of {s}, tv_bound max"
+        f" {float(jnp.max(cert_i.tv_bound)):.4f}")
 """,
   ),
   (
