@@ -51,7 +51,14 @@ def value_norms(values) -> jax.Array:
   m = jnp.max(jnp.abs(v), axis=-1)  # [..., n]
   r = v / jnp.where(m > 0, m, 1.0)[..., None]
   norms = m * jnp.sqrt(jnp.sum(r * r, axis=-1))  # [..., n]
-  return norms * (1 + (dv + 8) * jnp.finfo(v.dtype).eps)
+  norms = norms * (1 + (dv + 8) * jnp.finfo(v.dtype).eps)
+  # CPUs read subnormal inputs as 0 (DAZ): a nonzero bit pattern below the
+  # smallest normal still has a positive norm, below sqrt(dv) * tiny.
+  finfo = jnp.finfo(v.dtype)
+  bits = jax.lax.bitcast_convert_type(v, jnp.dtype(f"int{finfo.bits}"))
+  nonzero = jnp.any((bits << 1) != 0, axis=-1)  # sign bit shifted out
+  floor = jnp.sqrt(jnp.asarray(dv, v.dtype)) * finfo.tiny * 2
+  return jnp.where(nonzero, jnp.maximum(norms, floor), norms)
 
 
 def max_norm(norms, where) -> jax.Array:

@@ -161,7 +161,7 @@ class SelectTest(parameterized.TestCase):
     # ||v|| of v ~ 1e-30 underflowed to 0 in float32 (squares flush), so
     # the output bound was 0 below a positive truth (CI found it).
     logits = jnp.asarray([[0.0, 0.0, -1.0, -2.0]])
-    for scale in (1e-30, 1e30):
+    for scale in (1e-30, 1e30, 2.7e-44):  # the last is subnormal
       values = scale * np.ones((1, 4, 3), np.float32)
       values[0, 2:] *= -1.0
       sel = jaxtopk.select(logits, jaxtopk.FixedK(2), values=values)
