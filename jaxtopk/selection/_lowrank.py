@@ -37,6 +37,8 @@ every query that reads those keys (a GQA group, all decode steps, all
 queries of a prefill), and not counted, as summaries are not (THEORY 6.4).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.scipy.special import logsumexp
@@ -54,6 +56,7 @@ def _eps(x):
   return jnp.finfo(x.dtype).eps
 
 
+@functools.partial(jax.jit, static_argnames="rank")
 def key_projection(keys, valid, *, rank) -> jax.Array:
   """Top-``rank`` eigenvectors of sum_i k_i k_i^T over the real keys.
 
@@ -99,6 +102,7 @@ def _gamma(proj):
   return 2 * g  # and a factor 2 for the roundings of gamma itself
 
 
+@functools.partial(jax.jit, static_argnames="scale")
 def lowrank_upper_bound(query, keys, proj, *, scale) -> jax.Array:
   """Sound per-key upper bounds on scale * q.k from a rank-r projection.
 
