@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.scipy.special import logsumexp
 
 from jaxtopk.selection import _search
+from jaxtopk.theory import _tail
 
 
 def _norm_up(x, axis=-1):
@@ -61,15 +62,17 @@ def key_projection(keys, valid, *, rank) -> jax.Array:
   """Top-``rank`` eigenvectors of sum_i k_i k_i^T over the real keys.
 
   Args:
-    keys: ``[..., n, d]`` keys (float32 or float64).
+    keys: ``[..., n, d]`` keys (computed in float32, or float64).
     valid: ``[..., n]`` bool, True = real key.
     rank: static number of directions, 1 <= rank <= d.
 
   Returns:
-    ``[..., d, rank]`` P with (nearly) orthonormal columns, largest
+    ``[..., d, rank]`` float32 (float64) P with (nearly) orthonormal
+    columns, largest
     eigenvalue last; zeros where the eigensolver returned non-finite values
     (every P keeps ``lowrank_upper_bound`` sound).
   """
+  keys = keys.astype(_tail.compute_dtype(keys.dtype))
   k = jnp.where(valid[..., None], keys, 0.0)
   # Normalise first so that K^T K cannot overflow for huge keys.
   big = jnp.max(jnp.abs(k), axis=(-2, -1), keepdims=True)
@@ -117,8 +120,10 @@ def lowrank_upper_bound(query, keys, proj, *, scale) -> jax.Array:
     scale: positive logit scale.
 
   Returns:
-    ``[..., n]`` upper bounds in the dtype of ``keys``.
+    ``[..., n]`` float32 upper bounds (float64 for float64 inputs).
   """
+  dt = _tail.compute_dtype(jnp.result_type(query, keys, proj))
+  query, keys, proj = query.astype(dt), keys.astype(dt), proj.astype(dt)
   eps = _eps(keys)
   a_q = jnp.einsum("...d,...dr->...r", query, proj)  # [..., r]
   a_k = jnp.einsum("...nd,...dr->...nr", keys, proj)  # [..., n, r]
