@@ -16,4 +16,14 @@ settings.register_profile(
   derandomize=True,
   suppress_health_check=[HealthCheck.too_slow],
 )
+# Bug hunting (not CI): HYPOTHESIS_PROFILE=soak draws fresh random examples,
+# many more of them, e.g. on the soundness tests (`-k sound`).
+settings.register_profile(
+  "soak",
+  max_examples=500,
+  deadline=None,
+  derandomize=False,
+  database=None,
+  suppress_health_check=[HealthCheck.too_slow],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

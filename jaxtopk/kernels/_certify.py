@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.scipy.special import logsumexp
 
 from jaxtopk.selection import Certificate
+from jaxtopk.selection import _certify as _select_certify
 from jaxtopk.theory import _tail
 
 
@@ -34,16 +35,15 @@ def block_value_norms(value, *, block_size: int, mask=None) -> jax.Array:
     block_size: keys per block.
     mask: optional ``[b, kv_len]`` bool, True for a real key.
   """
-  b, hkv, n, dv = value.shape
+  b, hkv, n, _ = value.shape
   nb = -(-n // block_size)
   pad = nb * block_size - n
   v = jnp.pad(value.astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0)))
-  norms = jnp.sqrt(jnp.sum(v * v, axis=-1))  # [b, hkv, n_p]
+  norms = _select_certify.value_norms(v)  # [b, hkv, n_p], rounded up
   if mask is not None:
     m = jnp.pad(jnp.asarray(mask, bool), ((0, 0), (0, pad)))
     norms = jnp.where(m[:, None, :], norms, 0.0)
-  norms = norms.reshape(b, hkv, nb, block_size).max(axis=-1)
-  return norms * (1 + (dv + 4) * float(jnp.finfo(jnp.float32).eps))
+  return norms.reshape(b, hkv, nb, block_size).max(axis=-1)
 
 
 def certificate(

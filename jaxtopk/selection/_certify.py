@@ -45,8 +45,13 @@ def value_norms(values) -> jax.Array:
   """``[..., n]`` ||v_j||_2 of ``[..., n, d_v]`` values, rounded up."""
   v = values.astype(_tail.compute_dtype(values.dtype))
   dv = v.shape[-1]
-  norms = jnp.sqrt(jnp.sum(v * v, axis=-1))  # [..., n]
-  return norms * (1 + (dv + 4) * jnp.finfo(v.dtype).eps)
+  # Scaled by the largest |v_c| so squares neither underflow (|v| ~ 1e-30
+  # would give a norm of 0, and an output bound of 0 below a positive
+  # truth) nor overflow.
+  m = jnp.max(jnp.abs(v), axis=-1)  # [..., n]
+  r = v / jnp.where(m > 0, m, 1.0)[..., None]
+  norms = m * jnp.sqrt(jnp.sum(r * r, axis=-1))  # [..., n]
+  return norms * (1 + (dv + 8) * jnp.finfo(v.dtype).eps)
 
 
 def max_norm(norms, where) -> jax.Array:

@@ -157,6 +157,25 @@ class SelectTest(parameterized.TestCase):
     with self.assertRaisesRegex(exc, fragment):
       jaxtopk.select(jnp.ones((2, 7)), policy, **args)
 
+  def test_output_bound_sound_for_tiny_and_huge_values(self):
+    # ||v|| of v ~ 1e-30 underflowed to 0 in float32 (squares flush), so
+    # the output bound was 0 below a positive truth (CI found it).
+    logits = jnp.asarray([[0.0, 0.0, -1.0, -2.0]])
+    for scale in (1e-30, 1e30):
+      values = scale * np.ones((1, 4, 3), np.float32)
+      values[0, 2:] *= -1.0
+      sel = jaxtopk.select(logits, jaxtopk.FixedK(2), values=values)
+      _, err = _truth(
+        np.asarray(logits[0]),
+        np.asarray(sel.keep[0]),
+        np.ones(4, bool),
+        values[0],
+      )
+      bound = float(sel.certificate.output_error_bound[0])
+      self.assertTrue(np.isfinite(bound))
+      self.assertGreaterEqual(bound, err)
+      self.assertGreater(bound, 0.0)
+
   @given(
     rows=_rows,
     masks=_masks,
