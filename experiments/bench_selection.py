@@ -15,17 +15,27 @@ keys_scored / n at eps = 0.01, 0.05, 0.1,
   of step 0.3, flat rows, and 1.0, peaked rows with tight blocks), Gaussian
   queries.
 Beside it: the fraction an oracle needs (exact k_eps / n: no search can keep
-fewer than it must score), and a numpy SIMULATION (not library code) of the
-same stopping rule with per-key low-rank bounds q_P.k_P + ||q_perp||
-||k_perp|| (rank r of the row's keys), to show what tighter bounds could buy.
+fewer than it must score); the library's low-rank Delta-Search
+(``Certified(eps, search='delta', bound='lowrank', rank=r)``, per-key bounds
+q_P.k_P + ||q_perp|| ||k_perp|| plus rounding slack, P the top-r
+eigenvectors of each row's K^T K), whose keys_scored includes the projected
+products as ceil(n r / d) key-equivalents (``lowrank_r{r}``; the q.k
+products alone in ``lowrank_r{r}_qk_only``); and the earlier numpy
+SIMULATION of the same rule without slack or blocks (``sim_lowrank_r{r}``,
+on a subsample of <= 300 rows, projection cost NOT included).
 Goal: >= 2x fewer scored keys on average at eps = 0.05 on the real rows.
 
 Usage:
   python -m experiments.bench_selection --out /tmp/bench_selection.json
+  # rerun only part 2 and keep part 1 of an existing JSON:
+  python -m experiments.bench_selection --parts=delta --keep_other_parts \
+    --out=experiments/results/bench_selection_cpu.json
 """
 
 import json
+import os
 import platform
+import sys
 import time
 
 import jax
@@ -52,6 +62,12 @@ def _define_flags():
   flags.DEFINE_integer("texts", 2, "MiniLM passages (part 2).")
   flags.DEFINE_integer("query_stride", 7, "Every k-th query.")
   flags.DEFINE_integer("block_size", 16, "Delta-Search block size.")
+  flags.DEFINE_bool(
+    "keep_other_parts",
+    False,
+    "Keep the parts not run from an existing --out (each part records when"
+    " it ran in meta.part_runs).",
+  )
 
 
 def time_round_robin(variants, *, repeats):
@@ -120,7 +136,7 @@ def part_exact(sizes, rows, eps, repeats):
 def _oracle_and_lowrank(q, k, mask, scale, eps, ranks):
   """Exact k_eps / n and the simulated low-rank Delta-Search fraction."""
   s = np.einsum("rd,rnd->rn", q, k) * scale
-  res = {"oracle": [], **{f"lowrank_r{r}": [] for r in ranks}}
+  res = {"oracle": [], **{f"sim_lowrank_r{r}": [] for r in ranks}}
   for i in range(q.shape[0]):
     m = mask[i]
     n = m.sum()
@@ -142,36 +158,65 @@ def _oracle_and_lowrank(q, k, mask, scale, eps, ranks):
       suffix = np.concatenate([np.cumsum(eu[::-1])[::-1], [0.0]])
       zs = np.concatenate([[0.0], np.cumsum(es)])
       j = np.argmax(suffix / (zs + suffix) <= eps)
-      res[f"lowrank_r{r}"].append(j / n)
+      res[f"sim_lowrank_r{r}"].append(j / n)
   return {key: float(np.mean(v)) for key, v in res.items()}
+
+
+def _run_search(q, k, mask, scale, policy):
+  """keys_scored / n, k_kept / n and float64 soundness of one policy."""
+  sel = jaxtopk.certified_search(q, k, policy=policy, mask=mask, scale=scale)
+  c = sel.certificate
+  v = np.asarray(c.valid)
+  n = np.asarray(mask.sum(-1))[v]
+  scored = np.asarray(c.keys_scored)[v]
+  # Soundness check of every certificate against float64.
+  s64 = np.einsum("rd,rnd->rn", q.astype(np.float64), k) * scale
+  s64 = np.where(mask, s64, -np.inf)
+  e = np.exp(s64 - s64.max(-1, keepdims=True))
+  tau = (e * ~np.asarray(sel.keep)).sum(-1) / e.sum(-1)
+  return dict(
+    n_rows=int(v.sum()),
+    mean_keys=float(n.mean()),
+    scored=scored,
+    n=n,
+    keys_scored_fraction=float((scored / n).mean()),
+    k_kept_fraction=float((np.asarray(c.k_kept)[v] / n).mean()),
+    all_sound=bool(np.all(np.asarray(c.tv_bound)[v] >= tau[v])),
+    max_tv_bound=float(np.asarray(c.tv_bound)[v].max()),
+  )
 
 
 def _delta_rows(name, q, k, mask, scale, block_size, ranks):
   out = []
+  d = q.shape[-1]
   for eps in (0.01, 0.05, 0.1):
     policy = jaxtopk.Certified(eps, search="delta", block_size=block_size)
-    sel = jaxtopk.certified_search(q, k, policy=policy, mask=mask, scale=scale)
-    c = sel.certificate
-    v = np.asarray(c.valid)
-    n = np.asarray(mask.sum(-1))[v]
-    frac = np.asarray(c.keys_scored)[v] / n
-    # Soundness check of every certificate against float64.
-    s64 = np.einsum("rd,rnd->rn", q.astype(np.float64), k) * scale
-    s64 = np.where(mask, s64, -np.inf)
-    e = np.exp(s64 - s64.max(-1, keepdims=True))
-    tau = (e * ~np.asarray(sel.keep)).sum(-1) / e.sum(-1)
+    box = _run_search(q, k, mask, scale, policy)
     r = dict(
       rows=name,
       eps=eps,
-      n_rows=int(v.sum()),
-      mean_keys=float(n.mean()),
+      n_rows=box["n_rows"],
+      mean_keys=box["mean_keys"],
       block_size=block_size,
-      keys_scored_fraction=float(frac.mean()),
-      reduction=float(1 / frac.mean()),
-      k_kept_fraction=float((np.asarray(c.k_kept)[v] / n).mean()),
-      all_sound=bool(np.all(np.asarray(c.tv_bound)[v] >= tau[v])),
-      max_tv_bound=float(np.asarray(c.tv_bound)[v].max()),
+      keys_scored_fraction=box["keys_scored_fraction"],
+      reduction=float(1 / box["keys_scored_fraction"]),
+      k_kept_fraction=box["k_kept_fraction"],
+      all_sound=box["all_sound"],
+      max_tv_bound=box["max_tv_bound"],
     )
+    for rank in ranks:
+      low = jaxtopk.Certified(
+        eps, search="delta", block_size=block_size, bound="lowrank", rank=rank
+      )
+      lr = _run_search(q, k, mask, scale, low)
+      cost = -(-lr["n"] * rank // d)  # ceil(n r / d), included in scored
+      r[f"lowrank_r{rank}"] = lr["keys_scored_fraction"]
+      r[f"lowrank_r{rank}_qk_only"] = float(
+        ((lr["scored"] - cost) / lr["n"]).mean()
+      )
+      r[f"lowrank_r{rank}_reduction"] = float(1 / lr["keys_scored_fraction"])
+      r[f"lowrank_r{rank}_all_sound"] = lr["all_sound"]
+      r[f"lowrank_r{rank}_max_tv_bound"] = lr["max_tv_bound"]
     sub = slice(None, None, max(1, q.shape[0] // 300))
     r.update(_oracle_and_lowrank(q[sub], k[sub], mask[sub], scale, eps, ranks))
     print(json.dumps(r), flush=True)
@@ -203,7 +248,7 @@ def part_delta(texts, stride, block_size):
     mm[sel_q],
     scale,
     block_size,
-    ranks=(8, 16),
+    ranks=(4, 8, 16),
   )
   # Synthetic: 2048 keys, head_dim 32, drifting along the sequence (a random
   # walk of step `walk` per key), Gaussian queries. A slow walk gives flat
@@ -230,14 +275,24 @@ def part_delta(texts, stride, block_size):
 
 def main(argv):
   del argv
-  result = dict(
-    meta=dict(
-      machine=platform.machine(),
-      processor=platform.processor(),
-      jax=jax.__version__,
-      backend=jax.default_backend(),
-      timing="jit, 2 warm-ups, round-robin, min and median of --repeats",
-    )
+  result = {}
+  if FLAGS.keep_other_parts and os.path.exists(FLAGS.out):
+    with open(FLAGS.out) as f:
+      result = json.load(f)
+  runs = result.get("meta", {}).get("part_runs", {})
+  stamp = dict(
+    utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+    load_average=os.getloadavg(),
+  )
+  runs.update({part: dict(stamp) for part in FLAGS.parts})
+  result["meta"] = dict(
+    part_runs=runs,  # parts without an entry ran before stamps existed
+    command=" ".join(sys.argv),
+    machine=platform.machine(),
+    processor=platform.processor(),
+    jax=jax.__version__,
+    backend=jax.default_backend(),
+    timing="jit, 2 warm-ups, round-robin, min and median of --repeats",
   )
   if "exact" in FLAGS.parts:
     result["exact"] = part_exact(
@@ -247,6 +302,8 @@ def main(argv):
     result["delta"] = part_delta(
       FLAGS.texts, FLAGS.query_stride, FLAGS.block_size
     )
+  for part in FLAGS.parts:
+    runs[part]["load_average_after"] = os.getloadavg()
   with open(FLAGS.out, "w") as f:
     json.dump(result, f, indent=1)
 

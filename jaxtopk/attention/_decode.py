@@ -199,6 +199,11 @@ def _certified_search(policy, query, cache, scale, rng):
   hk = cache.keys.shape[1]
   g = h // hk
   bs = cache.block_size
+  if policy.bound != "box":
+    raise ValueError(
+      f"decode_attention supports Certified.bound='box' only; got"
+      f" {policy.bound=} (use certified_search for 'lowrank')"
+    )
   if policy.block_size != bs:
     raise ValueError(
       f"Certified.block_size={policy.block_size} must equal the cache's"

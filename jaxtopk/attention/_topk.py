@@ -201,7 +201,8 @@ def topk_attention(
     value: ``[batch, kv_len, num_kv_heads, head_dim_v]``.
     policy: a selection policy (``Dense``, ``FixedK``, ``Ratio``,
       ``PowerLaw``, ``Certified``); Certified searches 'delta' and 'mc' run
-      the exact search here (all logits are computed anyway in prefill).
+      the exact search here (all logits are computed anyway in prefill), so
+      ``Certified.bound`` has no effect here.
     mask: optional bool broadcastable to ``[batch, num_heads, q_len,
       kv_len]``, True = attend.
     bias: optional float additive bias, same broadcasting.

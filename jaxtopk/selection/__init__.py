@@ -2,6 +2,8 @@
 
 from jaxtopk.selection._certificate import Certificate
 from jaxtopk.selection._certified import certified_search
+from jaxtopk.selection._lowrank import key_projection
+from jaxtopk.selection._lowrank import lowrank_upper_bound
 from jaxtopk.selection._policies import Certified
 from jaxtopk.selection._policies import Dense
 from jaxtopk.selection._policies import FixedK

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtopk.selection import _certify
+from jaxtopk.selection import _lowrank
 from jaxtopk.selection import _policies
 from jaxtopk.selection import _search
 from jaxtopk.selection import _select
@@ -23,7 +24,17 @@ from jaxtopk.theory import _tail
   jax.jit, static_argnames=("policy", "scale", "use_ball", "with_values")
 )
 def _certified_search(
-  query, keys, valid, values, rng, *, policy, scale, use_ball, with_values
+  query,
+  keys,
+  valid,
+  values,
+  rng,
+  projection,
+  *,
+  policy,
+  scale,
+  use_ball,
+  with_values,
 ):
   *lead, n, d = keys.shape
   dt = _tail.compute_dtype(jnp.result_type(query.dtype, keys.dtype))
@@ -35,7 +46,12 @@ def _certified_search(
   k = jnp.pad(k, ((0, 0), (0, pad), (0, 0)))
   v_ok = jnp.pad(v_ok, ((0, 0), (0, pad)))
   u, cnt, box = _search.block_bounds(
-    q, k, v_ok, block_size=bs, scale=scale, use_ball=use_ball
+    q,
+    k,
+    v_ok,
+    block_size=bs,
+    scale=scale,
+    use_ball=use_ball and policy.bound == "box",
   )
   abs_dot = _search.box_abs_dot(q[:, None], box, scale)[:, 0]  # [r]
   norms = None
@@ -49,6 +65,22 @@ def _certified_search(
       s, policy, valid=v_ok, norms=norms, log_extra_slack=slack
     )
     keep, cert = sel.keep, sel.certificate
+  elif policy.bound == "lowrank":
+    rank = min(policy.rank, d)
+    if projection is None:
+      proj = _lowrank.key_projection(k, v_ok, rank=rank)  # [r, d, rank]
+    else:
+      proj = projection.astype(dt).reshape(-1, d, projection.shape[-1])
+      rank = projection.shape[-1]
+    u_key = _lowrank.lowrank_upper_bound(q, k, proj, scale=scale)  # [r, n]
+    fn = functools.partial(
+      _lowrank.lowrank_search_row,
+      eps=policy.eps,
+      block_size=bs,
+      scale=scale,
+      rank=rank,
+    )
+    s, keep, scored, log_tv, n_sc = jax.vmap(fn)(q, k, v_ok, u_key, abs_dot)
   else:
     rngs = jax.random.split(rng, q.shape[0])
     fn = functools.partial(
@@ -63,6 +95,7 @@ def _certified_search(
     s, keep, scored, log_tv, n_sc = jax.vmap(fn)(
       q, k, v_ok, u, cnt, abs_dot, rngs
     )
+  if policy.search != "exact":
     finite = jnp.all(jnp.where(scored, jnp.isfinite(s), True), -1)
     ok = jnp.any(v_ok, -1) & finite & jnp.all(jnp.isfinite(q), -1)
     keep = keep & ok[:, None]
@@ -92,6 +125,7 @@ def certified_search(
   scale: float | None = None,
   key=None,
   use_ball: bool = True,
+  projection=None,
 ) -> _select.Selection:
   """Certified selection that scores only the key blocks it needs.
 
@@ -103,6 +137,12 @@ def certified_search(
   kept. ``certificate.keys_scored`` counts the q.k products computed
   (for 'mc' including the sampled keys); summaries are not counted.
 
+  With ``policy.bound='lowrank'`` (search 'delta') the blocks are instead
+  bounded per key from a rank-r projection of the keys (``_lowrank``:
+  q.k <= q_P.k_P + ||q_perp|| ||k_perp|| plus rounding slack), keys are
+  scored in decreasing order of that bound, and ``keys_scored`` also counts
+  the projected products as ceil(n_real r / head_dim) key-equivalents.
+
   Args:
     query: ``[..., head_dim]`` one query per row.
     keys: ``[..., n_keys, head_dim]`` with the same leading axes.
@@ -112,6 +152,10 @@ def certified_search(
     scale: logit scale, default 1/sqrt(head_dim); > 0.
     key: PRNG key, required for search='mc'.
     use_ball: also use the ball bound (tighter, one more summary).
+    projection: optional ``[..., head_dim, r]`` projection P for
+      ``bound='lowrank'`` (broadcast over the leading axes; any P gives
+      sound bounds, orthonormal columns spanning the keys give tight ones);
+      default the top ``policy.rank`` eigenvectors of each row's K^T K.
 
   Returns:
     A Selection with ``keep`` ``[..., n_keys]`` and a Certificate ``[...]``;
@@ -149,6 +193,23 @@ def certified_search(
       raise ValueError(f"values must be [..., n_keys, d_v]; {values.shape=}")
   if policy.search == "mc" and key is None:
     raise ValueError("search='mc' needs a PRNG key: pass key=")
+  if projection is not None:
+    if policy.bound != "lowrank":
+      raise ValueError(f"projection= needs bound='lowrank'; got {policy=}")
+    projection = jnp.asarray(projection)
+    if projection.ndim < 2 or projection.shape[-2] != d:
+      raise ValueError(
+        f"projection must be [..., head_dim={d}, rank]; {projection.shape=}"
+      )
+    try:
+      projection = jnp.broadcast_to(
+        projection, keys.shape[:-2] + projection.shape[-2:]
+      )
+    except ValueError:
+      raise ValueError(
+        f"projection shape {projection.shape} does not broadcast to the"
+        f" leading axes {keys.shape[:-2]}"
+      ) from None
   rng = jax.random.key(0) if key is None else key
   return _certified_search(
     query,
@@ -156,6 +217,7 @@ def certified_search(
     valid,
     values,
     rng,
+    projection,
     policy=policy,
     scale=scale,
     use_ball=use_ball,

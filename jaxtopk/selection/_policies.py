@@ -20,6 +20,7 @@ import math
 from typing import Literal
 
 SEARCHES = ("exact", "delta", "mc")
+BOUNDS = ("box", "lowrank")
 
 
 class Policy:
@@ -115,6 +116,11 @@ class Certified(Policy):
     num_samples: keys sampled per block by 'mc'.
     max_topk: optional static cap on the kept set (for fixed-shape outputs);
       a row that cannot meet eps within it reports its true (larger) bound.
+    bound: how 'delta' bounds unscored keys: 'box' (block box and ball
+      summaries, THEORY 3.3) or 'lowrank' (per-key bounds from a rank-
+      ``rank`` projection of the keys, ``certified_search`` only; its
+      projected dot products are counted in ``keys_scored``).
+    rank: rank of the 'lowrank' projection (capped at head_dim).
   """
 
   eps: float
@@ -123,6 +129,8 @@ class Certified(Policy):
   delta: float = 0.01
   num_samples: int = 8
   max_topk: int | None = None
+  bound: Literal["box", "lowrank"] = "box"
+  rank: int = 16
 
   def __post_init__(self):
     if not (isinstance(self.eps, int | float) and 0.0 < self.eps < 1.0):
@@ -143,3 +151,13 @@ class Certified(Policy):
       isinstance(self.max_topk, int) and self.max_topk >= 1
     ):
       raise ValueError(f"Certified.max_topk={self.max_topk!r} must be >= 1")
+    if self.bound not in BOUNDS:
+      raise ValueError(
+        f"Certified.bound={self.bound!r} must be one of {BOUNDS}"
+      )
+    if self.bound == "lowrank" and self.search != "delta":
+      raise ValueError(
+        f"Certified.bound='lowrank' needs search='delta'; got {self.search=}"
+      )
+    if not (isinstance(self.rank, int) and self.rank >= 1):
+      raise ValueError(f"Certified.rank={self.rank!r} must be an int >= 1")

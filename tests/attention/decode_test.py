@@ -168,6 +168,12 @@ class DecodeTest(parameterized.TestCase):
     ("pallas", dict(implementation="pallas"), NotImplementedError, "pallas"),
     ("block", dict(policy=jaxtopk.Certified(0.1, "delta")), ValueError, "64"),
     (
+      "lowrank",
+      dict(policy=jaxtopk.Certified(0.1, "delta", BS, bound="lowrank")),
+      ValueError,
+      "box",
+    ),
+    (
       "mc_key",
       dict(policy=jaxtopk.Certified(0.1, "mc", BS)),
       ValueError,

@@ -1,0 +1,197 @@
+"""Low-rank key bounds for Delta-Search: per-key logit bounds from r dims.
+
+THEORY 3.3 takes any sound upper bound u_b on a block's logits. Here the
+bound is per key, from a rank-r matrix P ``[d, r]`` (by default the top-r
+eigenvectors of the row's K^T K, i.e. its top right singular vectors):
+
+    q.k = q_P.k_P + q_perp.k_perp <= q_P.k_P + ||q_perp|| ||k_perp||,
+
+with q_P = P^T q, k_P = P^T k and q_perp = q - P q_P (Cauchy-Schwarz on the
+residuals). In floats P is only nearly orthonormal and every product is
+rounded, so the bound is written for the COMPUTED coordinates a_q, a_k and
+any P: with the exact residuals q_perp = q - P a_q, k_perp = k - P a_k,
+E = P^T P - I, d_q = P^T q - a_q and d_k = P^T k - a_k, exactly
+
+    q.k = a_q.a_k - a_q^T E a_k + a_q.d_k + d_q.a_k + q_perp.k_perp,
+
+and every term but the first is bounded by a multiple of ||q|| ||k|| (and
+the residual norms): the bound is
+
+    u = scale (a_q.a_k + rho_q rho_k + gamma ||q|| ||k||),
+
+with rho the computed residual norms rounded up and gamma collecting
+||E|| and the (d + r + 2) eps dot-product roundings (``_gamma``). It holds for
+ANY P (a poor or even zero P only loosens it), so P may come from the caller.
+
+Delta-Search then sorts the keys of the row by u, cuts the sorted order into
+blocks of ``block_size`` and gives each block the mass bound sum_i e^{u_i}
+(a log-sum-exp rounded up), so it scores keys in decreasing order of their
+bound, the order of the numpy simulation in ``experiments/bench_selection``.
+
+Cost, counted honestly: a_q.a_k costs r of the d multiply-adds of a full q.k
+per key, so ``keys_scored`` adds ceil(n_real r / d) key-equivalents to the
+q.k products of the scored blocks. The key-side work (P, a_k = P^T k for
+every key, the residual norms, the sort) is a summary of the keys, like the
+box and ball summaries it replaces: computed once per key and shared by
+every query that reads those keys (a GQA group, all decode steps, all
+queries of a prefill), and not counted, as summaries are not (THEORY 6.4).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.special import logsumexp
+
+from jaxtopk.selection import _search
+from jaxtopk.theory import _tail
+
+
+def _norm_up(x, axis=-1):
+  """||x||_2 over ``axis``, rounded up (sum of squares + sqrt)."""
+  m = x.shape[axis]
+  return jnp.sqrt(jnp.sum(x * x, axis=axis)) * (1 + (m + 4) * _eps(x))
+
+
+def _eps(x):
+  return jnp.finfo(x.dtype).eps
+
+
+@functools.partial(jax.jit, static_argnames="rank")
+def key_projection(keys, valid, *, rank) -> jax.Array:
+  """Top-``rank`` eigenvectors of sum_i k_i k_i^T over the real keys.
+
+  Args:
+    keys: ``[..., n, d]`` keys (computed in float32, or float64).
+    valid: ``[..., n]`` bool, True = real key.
+    rank: static number of directions, 1 <= rank <= d.
+
+  Returns:
+    ``[..., d, rank]`` float32 (float64) P with (nearly) orthonormal
+    columns, largest
+    eigenvalue last; zeros where the eigensolver returned non-finite values
+    (every P keeps ``lowrank_upper_bound`` sound).
+  """
+  keys = keys.astype(_tail.compute_dtype(keys.dtype))
+  k = jnp.where(valid[..., None], keys, 0.0)
+  # Normalise first so that K^T K cannot overflow for huge keys.
+  big = jnp.max(jnp.abs(k), axis=(-2, -1), keepdims=True)
+  k = k / jnp.where(big > 0, big, 1.0)
+  gram = jnp.einsum("...nd,...ne->...de", k, k)  # [..., d, d]
+  _, vecs = jnp.linalg.eigh(gram)  # ascending eigenvalues
+  p = vecs[..., -rank:]  # [..., d, rank]
+  return jnp.where(jnp.isfinite(p), p, 0.0)
+
+
+def _gamma(proj):
+  """Relative slack gamma of the module docstring for P ``[..., d, r]``."""
+  d, r = proj.shape[-2:]
+  eps = _eps(proj)
+  pf = _norm_up(proj.reshape(*proj.shape[:-2], d * r))  # >= ||P||_F
+  e_mat = jnp.einsum("...dj,...dk->...jk", proj, proj) - jnp.eye(r)
+  # ||E||_2 <= ||E||_F; each entry of the computed P^T P is off by at most
+  # (d + 2) eps ||P_j|| ||P_k||, so the Frobenius norm by (d + 2) eps pf^2.
+  e = _norm_up(e_mat.reshape(*e_mat.shape[:-2], r * r))
+  e = e + (d + 2) * eps * pf * pf
+  p = 1 + e  # >= ||P||_2 (||P||_2^2 = ||I + E||_2)
+  a = p + (d + 2) * eps * pf  # ||a_k|| <= a ||k||
+  eta = (r + 2) * eps * (1 + pf * a)  # ||k_perp - computed|| <= eta ||k||
+  b = (1 + p * a + eta) * (1 + (d + 4) * eps)  # rho_k <= b ||k||
+  g = e * a * a  # a_q^T E a_k
+  g = g + 2 * a * pf * (d + 2) * eps  # a_q.d_k + d_q.a_k
+  g = g + eta * (2 * b + eta)  # residual norms computed from rounded vectors
+  g = g + (r + 2) * eps * a * a  # rounding of a_q.a_k
+  g = g + 8 * eps * (a * a + b * b + 1)  # the final sum of three terms
+  return 2 * g  # and a factor 2 for the roundings of gamma itself
+
+
+@functools.partial(jax.jit, static_argnames="scale")
+def lowrank_upper_bound(query, keys, proj, *, scale) -> jax.Array:
+  """Sound per-key upper bounds on scale * q.k from a rank-r projection.
+
+  THEORY 3.3 (a per-key u_i >= s_i without the full q.k); derivation in the
+  module docstring. Sound for any ``proj``, including float rounding: never
+  below the exact logit of the (float) inputs.
+
+  Args:
+    query: ``[..., d]`` queries.
+    keys: ``[..., n, d]`` keys with the same leading axes.
+    proj: ``[..., d, r]`` projection (e.g. ``key_projection``).
+    scale: positive logit scale.
+
+  Returns:
+    ``[..., n]`` float32 upper bounds (float64 for float64 inputs).
+  """
+  dt = _tail.compute_dtype(jnp.result_type(query, keys, proj))
+  query, keys, proj = query.astype(dt), keys.astype(dt), proj.astype(dt)
+  eps = _eps(keys)
+  a_q = jnp.einsum("...d,...dr->...r", query, proj)  # [..., r]
+  a_k = jnp.einsum("...nd,...dr->...nr", keys, proj)  # [..., n, r]
+  rq = query - jnp.einsum("...dr,...r->...d", proj, a_q)  # [..., d]
+  rk = keys - jnp.einsum("...dr,...nr->...nd", proj, a_k)  # [..., n, d]
+  rho_q, rho_k = _norm_up(rq), _norm_up(rk)  # [...], [..., n]
+  nq, nk = _norm_up(query), _norm_up(keys)  # [...], [..., n]
+  g = _gamma(proj)  # [...]
+  dot = jnp.einsum("...r,...nr->...n", a_q, a_k)  # [..., n]
+  x = dot + rho_q[..., None] * rho_k + (g * nq)[..., None] * nk
+  u = scale * x
+  return u + jnp.abs(u) * 4 * eps
+
+
+def lowrank_search_row(
+  q, keys, valid, u_key, abs_dot, *, eps, block_size, scale, rank
+):
+  """Delta-Search for ONE row over keys sorted by their low-rank bound.
+
+  Args:
+    q: ``[d]`` query (compute dtype).
+    keys: ``[n, d]`` keys (n a multiple of block_size).
+    valid: ``[n]`` bool.
+    u_key: ``[n]`` per-key logit bounds from ``lowrank_upper_bound``.
+    abs_dot: scalar >= scale * max_i sum_c |q_c k_ic| (logit rounding).
+    eps: TV budget.
+    block_size: static block size (keys per block of the sorted order).
+    scale: logit scale.
+    rank: static rank r of the projection (for the counted cost).
+
+  Returns:
+    As ``_search.search_row``, in the original key order; ``keys_scored``
+    includes ceil(n_real r / d) for the projected dot products.
+  """
+  n, d = keys.shape
+  nb = n // block_size
+  u_key = jnp.where(valid, u_key, -jnp.inf)
+  order = jnp.argsort(-u_key)  # [n] keys, largest bound first
+  ks, vs, us = keys[order], valid[order], u_key[order]
+  ub = us.reshape(nb, block_size)  # [nb, bs]
+  vb = vs.reshape(nb, block_size)
+  cnt = jnp.sum(vb, -1, dtype=jnp.int32)  # [nb]
+  # Per-key level u_eff with cnt e^{u_eff} >= sum_i e^{u_i}: a log-sum-exp
+  # is off by at most ~eps (|max| + block_size) (terms e^{u_i - max} <= 1);
+  # round up by 8x that.
+  top = jnp.max(jnp.where(vb, ub, -jnp.inf), -1)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  lse = logsumexp(ub, axis=-1, where=vb)
+  log_cnt = jnp.log(jnp.maximum(cnt, 1).astype(ub.dtype))
+  slack = 8 * _eps(ub) * (jnp.abs(top) + block_size + 4)
+  u_eff = jnp.where(cnt > 0, lse - log_cnt + slack, -jnp.inf)
+  # The log-sum-exps of the search see |u_eff| + log n, not only |s_i|.
+  big = jnp.max(jnp.where(cnt > 0, jnp.abs(u_eff), 0.0)) + jnp.log(n)
+  abs_dot = jnp.maximum(abs_dot, big)
+  s, keep, scored, log_tv, n_sc = _search.search_row(
+    q,
+    ks,
+    vs,
+    u_eff,
+    cnt,
+    abs_dot,
+    None,
+    search="delta",
+    eps=eps,
+    block_size=block_size,
+    scale=scale,
+  )
+  back = lambda x: jnp.zeros_like(x).at[order].set(x)  # noqa: E731
+  n_real = jnp.sum(valid, dtype=jnp.int32)
+  proj_cost = (n_real * rank + d - 1) // d  # ceil(n_real r / d)
+  return back(s), back(keep), back(scored), log_tv, n_sc + proj_cost
