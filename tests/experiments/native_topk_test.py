@@ -35,7 +35,7 @@ class NativeTopkSmokeTest(absltest.TestCase):
     self.assertLess(base[-1]["loss"], base[0]["loss"] - 0.3)
     # Decoding with rho = 1 equals dense decoding, on every task and model.
     checks = [r for r in rows if r["kind"] == "check"]
-    self.assertLen(checks, 2 * (2 + len(config.eval.needle_depths)))
+    self.assertLen(checks, 2 * (3 + len(config.eval.needle_depths)))
     for r in checks:
       self.assertLessEqual(r["rho1_vs_dense_max_abs_diff"], 1e-5)
     evals = {
