@@ -1,9 +1,12 @@
 r"""Native Top-k: train and decode small models with Top-k attention (issue 7).
 
 THEORY 8 ([NATIVE]). Trains a dense base decoder on seeded retrieval tasks
-(jaxtopk.tasks), fine-tunes it twice with the same budget (dense, and with
-exact Top-k attention at ``train_rho`` in the forward pass), then decodes both
-fine-tunes (dense prefill, selector at the answer positions) and writes:
+(jaxtopk.tasks: associative recall, multi-key lookup and needle, which one
+kept key per head solves, and aggregate recall, whose answer sums the values
+of several occurrences of a key and so needs several kept keys), fine-tunes
+it twice with the same budget (dense, and with exact Top-k attention at
+``train_rho`` in the forward pass), then decodes both fine-tunes (dense
+prefill, selector at the answer positions) and writes:
 
 - ratio sweep: accuracy vs exact Top-k ratio rho (THEORY 8.1, the paper's
   Figure 1 analogue);
