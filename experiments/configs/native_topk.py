@@ -1,7 +1,7 @@
 """Config of experiments/native_topk.py (native Top-k, THEORY 8, issue 7).
 
-Launch (default, about 40 minutes on the shared 2-core CPU under load, see
-BUILD_NOTES for the measured time):
+Launch (default, 15.5 minutes measured on the shared 2-core CPU at load
+average 10-13; up to ~40 under heavier load, see BUILD_NOTES):
 
   python -m experiments.native_topk \
     --config=experiments/configs/native_topk.py --workdir=/tmp/native_topk
