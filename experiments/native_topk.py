@@ -1,9 +1,12 @@
 r"""Native Top-k: train and decode small models with Top-k attention (issue 7).
 
 THEORY 8 ([NATIVE]). Trains a dense base decoder on seeded retrieval tasks
-(jaxtopk.tasks), fine-tunes it twice with the same budget (dense, and with
-exact Top-k attention at ``train_rho`` in the forward pass), then decodes both
-fine-tunes (dense prefill, selector at the answer positions) and writes:
+(jaxtopk.tasks: associative recall, multi-key lookup and needle, which one
+kept key per head solves, and aggregate recall, whose answer sums the values
+of several occurrences of a key and so needs several kept keys), fine-tunes
+it twice with the same budget (dense, and with exact Top-k attention at
+``train_rho`` in the forward pass), then decodes both fine-tunes (dense
+prefill, selector at the answer positions) and writes:
 
 - ratio sweep: accuracy vs exact Top-k ratio rho (THEORY 8.1, the paper's
   Figure 1 analogue);
@@ -58,7 +61,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 
 PHASES = ("base", "dense", "topk")
-TASKS = ("recall", "lookup", "needle")
+TASKS = ("recall", "lookup", "aggregate", "needle")
 
 
 # ----------------------------------------------------------------- data
@@ -82,6 +85,13 @@ def make_task(config, name, seed, batch_size, depth=None, seq_len=None):
     return tasks.multi_key_lookup(seed, num_queries=queries, **common)
   if name == "needle":
     return tasks.needle_in_haystack(seed, depth=depth, **common)
+  if name == "aggregate":
+    return tasks.aggregate_recall(
+      seed,
+      num_occurrences=config.train.aggregate_occurrences,
+      num_levels=config.train.aggregate_levels,
+      **common,
+    )
   raise ValueError(f"unknown task {name=}")
 
 
@@ -102,7 +112,7 @@ def train_seq_len(config, phase: str, step: int) -> int:
 
 
 def train_batch(config, phase: str, step: int):
-  """(inputs, targets, weights) mixing the three tasks; pure in its args."""
+  """(inputs, targets, weights) mixing the tasks; pure in its args."""
   seq_len = train_seq_len(config, phase, step)
   sizes = np.full(len(TASKS), config.train.batch_size // len(TASKS))
   sizes[0] += config.train.batch_size - sizes.sum()
@@ -325,9 +335,10 @@ def _dense_stats(model, inputs):
 def eval_sets(config):
   """[(name, RetrievalBatch)] with seeds disjoint from training."""
   n = config.eval.num_examples
+  sizes = dict(recall=n, lookup=n, aggregate=config.eval.aggregate_examples)
   sets = [
-    (name, make_task(config, name, (config.seed, 99, i), n))
-    for i, name in enumerate(("recall", "lookup"))
+    (name, make_task(config, name, (config.seed, 99, i), sizes[name]))
+    for i, name in enumerate(("recall", "lookup", "aggregate"))
   ]
   for j, depth in enumerate(config.eval.needle_depths):
     batch = make_task(config, "needle", (config.seed, 99, 10 + j), n, depth)
@@ -436,8 +447,9 @@ def evaluate(config, models, metrics):
         param,
         time.time() - tick,
       )
-    inputs = np.concatenate([b.inputs for _, b in sets[:3]])
-    answer = np.concatenate([b.answer_mask for _, b in sets[:3]])
+    # Entropy over recall, lookup, aggregate and the first needle depth.
+    inputs = np.concatenate([b.inputs for _, b in sets[:4]])
+    answer = np.concatenate([b.answer_mask for _, b in sets[:4]])
     for layer, ent in enumerate(_dense_stats(model, jnp.asarray(inputs))):
       ent = np.asarray(ent)  # [b, h, s]
       for head in range(ent.shape[1]):

@@ -11,6 +11,11 @@ the fly, seeded, as fixed-length token batches for next-token training:
 - ``multi_key_lookup``: pairs, then ``Q`` followed by ``num_queries`` keys,
   each followed by its value (multi-query associative recall): every value
   after ``Q`` is an answer.
+- ``aggregate_recall``: pairs in which the queried key occurs
+  ``num_occurrences`` times with small values, then ``S kq -> sum`` of its
+  values. Unlike the tasks above (one key per head suffices at the answer),
+  the answer needs every occurrence, so Top-k attention that keeps fewer
+  keys per head than ``num_occurrences`` loses it.
 
 Every task returns a :class:`RetrievalBatch` of ``inputs`` and ``targets``
 (``targets[:, t] = inputs[:, t + 1]`` of the underlying sequence) and a
@@ -29,7 +34,8 @@ import numpy as np
 
 PAD = 0
 QUERY = 1
-NUM_SPECIAL = 2
+SUM = 2  # query marker of aggregate_recall (answer = a sum, not a copy)
+NUM_SPECIAL = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,3 +264,75 @@ def multi_key_lookup(
   )  # [b, seq_len + 1]
   answer_cols = seq_len - 1 - 2 * np.arange(num_queries)[::-1]
   return _finish(tokens, answer_cols)
+
+
+def aggregate_recall(
+  seed,
+  *,
+  batch_size: int,
+  seq_len: int,
+  num_occurrences: int = 4,
+  num_levels: int = 3,
+  vocab: Vocab = Vocab(),
+) -> RetrievalBatch:
+  """Pairs where ``kq`` occurs ``num_occurrences`` times, then ``S kq -> sum``.
+
+  The context holds P = (seq_len - 2) // 2 pairs; the queried key ``kq`` is
+  the key of ``num_occurrences`` of them (random positions), the other keys
+  are distinct and differ from ``kq``. Every value is a small number, value
+  token ``value_start + v`` with ``v`` in ``[0, num_levels)``; the answer is
+  the value token ``value_start + sum`` of the values that followed ``kq``.
+  Reading all occurrences needs ``num_occurrences`` keys in one attention
+  row (THEORY 8.1: exact Top-k below that budget cannot see them all).
+
+  Args:
+    seed: anything ``np.random.default_rng`` accepts.
+    batch_size: rows.
+    seq_len: input length (one leading filler token when odd).
+    num_occurrences: occurrences of the queried key; in [1, P].
+    num_levels: values per pair, in [1, num_values]; the largest sum
+      ``num_occurrences * (num_levels - 1)`` must be < ``vocab.num_values``.
+    vocab: token layout; needs ``num_keys >= P - num_occurrences + 1``.
+
+  Returns:
+    A :class:`RetrievalBatch` with one answer column (the last).
+
+  Raises:
+    ValueError: on bad sizes, or a value range too small for the sums.
+  """
+  _check(seq_len, batch_size)
+  num_pairs = (seq_len - 2) // 2
+  m = num_occurrences
+  if not (isinstance(m, int) and 1 <= m <= num_pairs):
+    raise ValueError(
+      f"{num_occurrences=} must be an int in [1, {num_pairs}] for {seq_len=}"
+    )
+  if not (isinstance(num_levels, int) and num_levels >= 1):
+    raise ValueError(f"{num_levels=} must be an int >= 1")
+  if m * (num_levels - 1) >= vocab.num_values:
+    raise ValueError(
+      f"{num_occurrences=} * ({num_levels=} - 1) must be < "
+      f"vocab.num_values={vocab.num_values} (the sum is a value token)"
+    )
+  rng = _rng(seed)
+  distinct, _ = _pairs(rng, vocab, batch_size, num_pairs - m + 1)  # [b, d]
+  query = distinct[:, :1]  # [b, 1]
+  keys = np.concatenate(
+    [np.repeat(query, m, axis=1), distinct[:, 1:]], axis=1
+  )  # [b, p]: the first m are kq
+  order = np.argsort(rng.random((batch_size, num_pairs)), axis=-1)
+  keys = np.take_along_axis(keys, order, axis=1)  # kq at random positions
+  levels = rng.integers(0, num_levels, (batch_size, num_pairs))  # [b, p]
+  total = np.sum(np.where(keys == query, levels, 0), axis=1)  # [b]
+  head = rng.integers(0, vocab.num_filler, (batch_size, seq_len % 2))
+  tokens = np.concatenate(
+    [
+      head + vocab.filler_start,
+      _interleave(keys, levels + vocab.value_start),
+      np.full((batch_size, 1), SUM),
+      query,
+      total[:, None] + vocab.value_start,
+    ],
+    axis=1,
+  )  # [b, seq_len + 1]
+  return _finish(tokens, np.array([seq_len - 1]))

@@ -12,6 +12,7 @@ from flax import nnx
 
 from experiments import native_topk
 from experiments.configs import native_topk as native_topk_config
+from jaxtopk import tasks
 
 
 def _rows(workdir):
@@ -35,7 +36,7 @@ class NativeTopkSmokeTest(absltest.TestCase):
     self.assertLess(base[-1]["loss"], base[0]["loss"] - 0.3)
     # Decoding with rho = 1 equals dense decoding, on every task and model.
     checks = [r for r in rows if r["kind"] == "check"]
-    self.assertLen(checks, 2 * (2 + len(config.eval.needle_depths)))
+    self.assertLen(checks, 2 * (3 + len(config.eval.needle_depths)))
     for r in checks:
       self.assertLessEqual(r["rho1_vs_dense_max_abs_diff"], 1e-5)
     evals = {
@@ -119,6 +120,22 @@ class NativeTopkSmokeTest(absltest.TestCase):
     ]
     self.assertEqual(lengths, [16, 16, 32, 128, 256, 256])
     self.assertEqual(native_topk.train_seq_len(config, "topk", 0), 256)
+
+  def test_train_batch_mixes_all_tasks(self):
+    config = native_topk_config.get_config()
+    inputs, targets, weights = native_topk.train_batch(config, "base", 0)
+    self.assertEqual(inputs.shape, (config.train.batch_size, 16))
+    per_task = config.train.batch_size // len(native_topk.TASKS)
+    # aggregate rows: "S kq -> sum", one answer column.
+    aggregate = inputs[:, -2] == tasks.SUM
+    self.assertEqual(int(aggregate.sum()), per_task)
+    np.testing.assert_array_equal(weights[aggregate].sum(1), 1.0)
+    self.assertTrue((targets[aggregate, -1] >= tasks.Vocab().value_start).all())
+    # lookup rows score lookup_queries answers each.
+    self.assertEqual(
+      int(weights.sum()),
+      per_task * (3 + min(config.train.lookup_queries, (16 - 1) // 4)),
+    )
 
   def test_refuses_other_config(self):
     config = native_topk_config.get_config("smoke")

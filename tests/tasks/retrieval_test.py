@@ -91,6 +91,55 @@ class RetrievalTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "num_keys=0"):
       tasks.Vocab(num_keys=0)
 
+  @parameterized.parameters((3, 2, 29), (5, 3, 30), (1, 7, 13))
+  def test_aggregate_answer_is_sum_over_occurrences(self, m, levels, seq_len):
+    vocab = tasks.Vocab(num_keys=13, num_values=17, num_filler=5)
+    batch = tasks.aggregate_recall(
+      0,
+      batch_size=11,
+      seq_len=seq_len,
+      num_occurrences=m,
+      num_levels=levels,
+      vocab=vocab,
+    )
+    self.assertEqual(batch.inputs.shape, (11, seq_len))
+    np.testing.assert_array_equal(batch.inputs[:, 1:], batch.targets[:, :-1])
+    np.testing.assert_array_equal(
+      np.flatnonzero(batch.answer_mask[0]), [seq_len - 1]
+    )
+    start = seq_len % 2  # one leading filler token when odd
+    for row in range(11):
+      inputs = batch.inputs[row]
+      self.assertEqual(inputs[-2], tasks.SUM)
+      query = inputs[-1]
+      keys = inputs[start : seq_len - 2 : 2]
+      values = inputs[start + 1 : seq_len - 2 : 2] - vocab.value_start
+      self.assertTrue((keys >= vocab.key_start).all())
+      self.assertTrue((keys < vocab.value_start).all())
+      self.assertTrue(((values >= 0) & (values < levels)).all())
+      self.assertEqual(np.sum(keys == query), m)
+      others = keys[keys != query].tolist()
+      self.assertLen(set(others), len(others))
+      want = vocab.value_start + values[keys == query].sum()
+      self.assertEqual(batch.targets[row, -1], want)
+
+  def test_aggregate_positions_vary(self):
+    batch = tasks.aggregate_recall(0, batch_size=7, seq_len=26)
+    where = batch.inputs[:, :-2] == batch.inputs[:, -1:]
+    self.assertGreater(len({tuple(np.flatnonzero(w)) for w in where}), 1)
+    sums = batch.targets[:, -1]
+    self.assertGreater(len(set(sums.tolist())), 1)
+
+  def test_aggregate_errors_name_value(self):
+    with self.assertRaisesRegex(ValueError, "num_occurrences=12"):
+      tasks.aggregate_recall(0, batch_size=2, seq_len=24, num_occurrences=12)
+    with self.assertRaisesRegex(ValueError, "num_levels=0"):
+      tasks.aggregate_recall(0, batch_size=2, seq_len=24, num_levels=0)
+    with self.assertRaisesRegex(ValueError, "num_values=7"):
+      tasks.aggregate_recall(
+        0, batch_size=2, seq_len=24, vocab=tasks.Vocab(num_values=7)
+      )
+
 
 if __name__ == "__main__":
   absltest.main()
