@@ -43,14 +43,18 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import logsumexp
 
+from jaxtopk.selection import _certify
 from jaxtopk.selection import _search
 from jaxtopk.theory import _tail
 
 
 def _norm_up(x, axis=-1):
-  """||x||_2 over ``axis``, rounded up (sum of squares + sqrt)."""
-  m = x.shape[axis]
-  return jnp.sqrt(jnp.sum(x * x, axis=axis)) * (1 + (m + 4) * _eps(x))
+  """||x||_2 over ``axis``, rounded up; squares scaled by max |x| first.
+
+  Unscaled, |x| ~ 1e-28 squares to 0 on a CPU (flushed subnormals) and the
+  norm, hence the bound, would sit below the truth.
+  """
+  return _certify.value_norms(jnp.moveaxis(x, axis, -1))
 
 
 def _eps(x):
@@ -134,7 +138,14 @@ def lowrank_upper_bound(query, keys, proj, *, scale) -> jax.Array:
   g = _gamma(proj)  # [...]
   dot = jnp.einsum("...r,...nr->...n", a_q, a_k)  # [..., n]
   x = dot + rho_q[..., None] * rho_k + (g * nq)[..., None] * nk
-  u = scale * x
+  # CPUs flush subnormal inputs and results to 0: each flushed term moves
+  # the result by less than tiny times the norms it multiplies, which the
+  # relative slack above cannot see (keys ~ 1e-44 gave u = 0 < s).
+  d, r = proj.shape[-2], proj.shape[-1]
+  pn = jnp.sqrt(jnp.sum(proj * proj, axis=(-2, -1)))  # [...]
+  grow = (1 + nq) * (1 + pn) ** 2  # [...]
+  flush = 4 * (d + r + 4) * jnp.finfo(dt).tiny * grow[..., None] * (1 + nk)
+  u = scale * (x + flush)
   return u + jnp.abs(u) * 4 * eps
 
 

@@ -123,9 +123,10 @@ def _check_model(test, model, x, mask, policy):
     test.assertTrue(np.all(bound >= tau), f"layer {i}: {np.max(tau - bound)=}")
     err = np.linalg.norm(np.asarray(out, np.float32) - dense, axis=-1)
     # Plus the rounding of the returned output to its dtype (a few ulps of
-    # the largest value norm), which the certificate does not cover.
+    # the largest value norm: exp, normalisation and the weighted sum each
+    # add a few), which the certificate does not cover.
     v_max = np.linalg.norm(np.asarray(v, np.float32), axis=-1).max()
-    eps_out = 4 * float(jnp.finfo(out.dtype).eps) * v_max
+    eps_out = 16 * float(jnp.finfo(out.dtype).eps) * v_max
     err_bound = np.asarray(cert.output_error_bound, np.float64) + eps_out
     test.assertTrue(
       np.all(err <= err_bound), f"layer {i}: {np.max(err - err_bound)=}"
