@@ -288,3 +288,24 @@ def time_call(fn, repeats: int) -> dict:
     min_s=min(times),
     repeats=repeats,
   )
+
+
+def time_round_robin(variants, *, repeats):
+  """Times ``{name: (fn, args)}`` interleaved, so load spikes hit all alike.
+
+  Returns:
+    ``{name: dict(min_ms, median_ms)}`` after two warm-up calls each.
+  """
+  for fn, args in variants.values():
+    jax.block_until_ready(fn(*args))  # compile
+    jax.block_until_ready(fn(*args))
+  ts = {name: [] for name in variants}
+  for _ in range(repeats):
+    for name, (fn, args) in variants.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      ts[name].append(time.perf_counter() - t0)
+  return {
+    name: dict(min_ms=1e3 * min(t), median_ms=1e3 * float(np.median(t)))
+    for name, t in ts.items()
+  }

@@ -26,15 +26,14 @@ import json
 import os
 import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app
 from absl import flags
 
 import jaxtopk
+from experiments import _common
 from jaxtopk.attention import _decode
 
 FLAGS = flags.FLAGS
@@ -48,27 +47,6 @@ def _define_flags():
   flags.DEFINE_integer("heads", 8, "Heads (= kv heads).")
   flags.DEFINE_integer("head_dim", 128, "Head dimension.")
   flags.DEFINE_float("rho", 1 / 64, "Kept fraction.")
-
-
-def time_round_robin(variants, *, repeats):
-  """Times ``{name: (fn, args)}`` interleaved, so load spikes hit all alike.
-
-  Returns:
-    ``{name: dict(min_ms, median_ms)}`` after two warm-up calls each.
-  """
-  for fn, args in variants.values():
-    jax.block_until_ready(fn(*args))  # compile
-    jax.block_until_ready(fn(*args))
-  ts = {name: [] for name in variants}
-  for _ in range(repeats):
-    for name, (fn, args) in variants.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      ts[name].append(time.perf_counter() - t0)
-  return {
-    name: dict(min_ms=1e3 * min(t), median_ms=1e3 * float(np.median(t)))
-    for name, t in ts.items()
-  }
 
 
 def bench(n, *, heads, head_dim, rho, repeats):
@@ -118,7 +96,7 @@ def bench(n, *, heads, head_dim, rho, repeats):
 
   res = dict(n=n, heads=heads, head_dim=head_dim, topk=topk)
   res.update(
-    time_round_robin(
+    _common.time_round_robin(
       dict(
         floor=(floor, (qh, keys)),
         dense=(dense, (qh, keys, values)),

@@ -45,6 +45,7 @@ from absl import app
 from absl import flags
 
 import jaxtopk
+from experiments import _common
 
 FLAGS = flags.FLAGS
 
@@ -68,23 +69,6 @@ def _define_flags():
     "Keep the parts not run from an existing --out (each part records when"
     " it ran in meta.part_runs).",
   )
-
-
-def time_round_robin(variants, *, repeats):
-  """Times ``{name: (fn, args)}`` interleaved (as in bench_decode)."""
-  for fn, args in variants.values():
-    jax.block_until_ready(fn(*args))  # compile
-    jax.block_until_ready(fn(*args))
-  ts = {name: [] for name in variants}
-  for _ in range(repeats):
-    for name, (fn, args) in variants.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      ts[name].append(time.perf_counter() - t0)
-  return {
-    name: dict(min_ms=1e3 * min(t), median_ms=1e3 * float(np.median(t)))
-    for name, t in ts.items()
-  }
 
 
 def sort_cumsum_certified(s, eps):
@@ -113,7 +97,7 @@ def part_exact(sizes, rows, eps, repeats):
     s = 2.5 * jax.random.normal(jax.random.key(n), (rows, n))
     r = dict(n=n, rows=rows, eps=eps)
     r.update(
-      time_round_robin(
+      _common.time_round_robin(
         dict(jaxtopk=(ours, (s,)), sort_cumsum=(base, (s,))),
         repeats=repeats,
       )
