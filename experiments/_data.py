@@ -61,18 +61,8 @@ def gaussian_qk(key, *, groups, queries, n, head_dim, sigma) -> Rows:
   q = jax.random.normal(kq, (groups, queries, head_dim))  # [G, q, d]
   k = sigma * jax.random.normal(kk, (groups, n, head_dim))  # [G, s, d]
   v = jax.random.normal(kv, (groups, n, head_dim))  # [G, s, d]
-  scale = 1.0 / math.sqrt(head_dim)
-  logits = jnp.einsum("gqd,gsd->gqs", q, k) * scale  # [G, q, s]
-  return Rows(
-    logits=np.asarray(logits, np.float32),
-    key_mask=np.ones((groups, n), bool),
-    query_mask=np.ones((groups, queries), bool),
-    queries=np.asarray(q, np.float32),
-    keys=np.asarray(k, np.float32),
-    values=np.asarray(v, np.float32),
-    layer=np.zeros((groups,), np.int32),
-    scale=scale,
-    source=f"gaussian(sigma={sigma}, n={n}, d={head_dim})",
+  return _rows_from_qkv(
+    q, k, v, f"gaussian(sigma={sigma}, n={n}, d={head_dim})"
   )
 
 
@@ -94,19 +84,7 @@ def clustered_qk(
   z = jax.random.normal(kz, (groups, n, head_dim))  # [G, s, d]
   k = sigma * (c + spread * z) / math.sqrt(1 + spread**2)  # [G, s, d]
   v = jax.random.normal(kv, (groups, n, head_dim))  # [G, s, d]
-  scale = 1.0 / math.sqrt(head_dim)
-  logits = jnp.einsum("gqd,gsd->gqs", q, k) * scale  # [G, q, s]
-  return Rows(
-    logits=np.asarray(logits, np.float32),
-    key_mask=np.ones((groups, n), bool),
-    query_mask=np.ones((groups, queries), bool),
-    queries=np.asarray(q, np.float32),
-    keys=np.asarray(k, np.float32),
-    values=np.asarray(v, np.float32),
-    layer=np.zeros((groups,), np.int32),
-    scale=scale,
-    source=f"clustered(sigma={sigma}, spread={spread})",
-  )
+  return _rows_from_qkv(q, k, v, f"clustered(sigma={sigma}, spread={spread})")
 
 
 def np_log_tail_mass64(logits, keep, mask) -> np.ndarray:
@@ -178,4 +156,23 @@ def minilm_rows(num_passages: int, max_len: int) -> Rows:
     layer=np.repeat(np.arange(num_layers), b * h),
     scale=float(a["scale"]),
     source="minilm",
+  )
+
+
+def _rows_from_qkv(q, k, v, source) -> Rows:
+  """Rows of ``[G, q, d]`` queries over ``[G, s, d]`` keys, all real."""
+  groups, queries, head_dim = q.shape
+  n = k.shape[1]
+  scale = 1.0 / math.sqrt(head_dim)
+  logits = jnp.einsum("gqd,gsd->gqs", q, k) * scale  # [G, q, s]
+  return Rows(
+    logits=np.asarray(logits, np.float32),
+    key_mask=np.ones((groups, n), bool),
+    query_mask=np.ones((groups, queries), bool),
+    queries=np.asarray(q, np.float32),
+    keys=np.asarray(k, np.float32),
+    values=np.asarray(v, np.float32),
+    layer=np.zeros((groups,), np.int32),
+    scale=scale,
+    source=source,
   )
