@@ -1,0 +1,781 @@
+"""Searches over a content-grouped KV index, and certificates for any set.
+
+Issue 15; THEORY 3.3 (blockwise bound), 6.2 (Delta-Search), 6.3
+(MC-Search), 4.2/4.4 (output error). One query row attends to an
+``IndexedKVCache`` (``_index.py``). Group g holds ``n_g`` keys inside a ball
+(centre c_g, radius r_g), so every member's logit is at most
+
+    u_g = scale (q.c_g + ||q|| r_g)                       (Cauchy-Schwarz),
+
+rounded up for the float dot product, the norms and flushed subnormals
+(``group_upper_bounds``). With K the kept keys and R the groups whose
+remaining keys were not scored,
+
+    tau <= U / (Z_K + U),   U = sum_{g in R} n_g' e^{u_g}  (THEORY 2.4, 3.3),
+
+n_g' the group's keys outside K. One loop serves every entry point
+(``_grow_row``): groups are ordered by their mass bound n_g' e^{u_g} and
+scored in ROUNDS of ``groups_per_round`` groups (one gather of their keys
+and values, one einsum, an online-softmax update), and after each round the
+bound is checked; it stops once it certifies eps. All scored keys are kept
+(the output is exact attention over them), so ``k_kept`` equals the scored
+keys of the groups read.
+
+- ``decode_attention(query, index, policy=Certified(eps, 'delta'))``:
+  starts from nothing. 'mc' replaces n_g e^{u_g} by the Hoeffding bound
+  of THEORY 6.3 from ``num_samples`` sampled members per group
+  (``jaxtopk.selection``'s MC estimate); 'exact' and fixed-count policies
+  score every key.
+- ``certify_selection``: the certificate of a GIVEN set of positions
+  (scores only those keys; every other key is bounded by its group).
+- ``grow_selection``: starts from a given set and adds whole groups by
+  bound until eps is certified or ``max_groups`` groups were added (then
+  the certificate states the true, larger, bound).
+
+Cost, in ``keys_scored`` (q.k products): every scored key, plus the
+summaries in key-equivalents: one q.c_g per non-empty group and 2 for
+||q|| and the rounding bound |q|.max|k| (a q.c_g is one d-term dot product,
+exactly the work of one key). 'mc' adds its samples.
+
+Under vmap all rows run the same number of rounds (the slowest row's), so
+on the XLA path wall time follows the largest row's scored keys.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.special import logsumexp
+
+from jaxtopk.attention._index import IndexedKVCache
+from jaxtopk.attention._index import norm_up
+from jaxtopk.selection import _certify
+from jaxtopk.selection import _policies
+from jaxtopk.selection import _search
+from jaxtopk.selection import _select
+from jaxtopk.selection._certificate import Certificate
+from jaxtopk.selection._select import Selection
+from jaxtopk.theory import _tail
+
+# Summary cost in key-equivalents besides one per non-empty group.
+_QUERY_SUMMARY_COST = 2
+
+
+def _dtype(query, index):
+  return _tail.compute_dtype(jnp.result_type(query.dtype, index.keys.dtype))
+
+
+def logit_error(q, key_absmax, scale) -> tuple[jax.Array, jax.Array]:
+  """Bounds on |computed logit - exact logit| and on |exact logit|.
+
+  A computed scale * q.k differs from the exact one by the d-term dot
+  product rounding, (d + 2) eps scale sum_c |q_c k_c|, plus what flushed
+  subnormals drop (a subnormal q_c or k_c is read as 0: up to tiny |k_c| or
+  tiny |q_c|; a subnormal product or partial sum: up to tiny each), plus
+  tiny for a flushed result. With A = scale |q|.max|k| >= scale sum_c
+  |q_c k_c| for every stored key:
+
+      delta = (d + 2) eps A + tiny (scale (2 ||max|k|||_1 + ||q||_1 + 2 d) + 2).
+
+  Args:
+    q: ``[..., d]`` queries (compute dtype).
+    key_absmax: ``[..., d]`` max |k_c| over the keys (broadcasts with q).
+    scale: positive logit scale.
+
+  Returns:
+    ``(delta, abs_dot)``, both ``[...]``: delta as above, and abs_dot = A
+    rounded up (>= |every logit|).
+  """
+  dt = q.dtype
+  fin = jnp.finfo(dt)
+  d = q.shape[-1]
+  aq = jnp.abs(q)
+  dot = jnp.einsum("...d,...d->...", aq, key_absmax.astype(dt))
+  abs_dot = scale * dot * (1 + (d + 4) * fin.eps)
+  l1 = 2 * jnp.sum(key_absmax, -1) + jnp.sum(aq, -1) + 2 * d
+  flush = fin.tiny * (scale * l1 * (1 + (d + 4) * fin.eps) + 2)
+  return (d + 2) * fin.eps * abs_dot + flush, abs_dot
+
+
+def group_upper_bounds(q, index: IndexedKVCache, scale) -> jax.Array:
+  """Sound upper bounds u_g on every member logit of every group.
+
+  u_g = scale (q.c_g + ||q|| r_g), computed as t1 = q.c_g, t2 = ||q||
+  (r_g + (d + 2) eps ||c_g||) (the second term covers the rounding of the
+  computed q.c_g), then scale (t1 + t2 + 4 eps (|t1| + |t2|)) rounded up
+  relatively and by the flushed-subnormal term of ``logit_error``.
+  Empty groups get -inf; a NaN bound becomes +inf (never skipped).
+
+  Args:
+    q: ``[b, hk, g, d]`` queries (compute dtype), g per kv head (GQA).
+    index: the IndexedKVCache.
+    scale: positive logit scale.
+
+  Returns:
+    ``[b, hk, g, G]`` bounds in q's dtype.
+  """
+  dt = q.dtype
+  fin = jnp.finfo(dt)
+  d = q.shape[-1]
+  c = index.centre.astype(dt)
+  t1 = jnp.einsum("bkgd,bkGd->bkgG", q, c)  # [b, hk, g, G]
+  qn = norm_up(q)[..., None]  # [b, hk, g, 1]
+  rad = index.radius + (d + 2) * fin.eps * index.centre_norm  # [b, hk, G]
+  t2 = qn * rad.astype(dt)[:, :, None]  # [b, hk, g, G]
+  u = scale * (t1 + t2 + 4 * fin.eps * (jnp.abs(t1) + jnp.abs(t2)))
+  flush, _ = logit_error(q, index.key_absmax[:, :, None], scale)
+  u = u + 2 * fin.eps * jnp.abs(u) + flush[..., None]
+  u = jnp.where(jnp.isnan(u), jnp.inf, u)
+  return jnp.where(index.count[:, :, None] > 0, u, -jnp.inf)
+
+
+def _row_slack(abs_dot, delta, log_mass, n_terms, n_rounds, dt):
+  """Log slack of a row's certificate (rounding of logits, sums, rounds)."""
+  eps = jnp.finfo(dt).eps
+  fin = jnp.isfinite(log_mass)
+  big = jnp.max(jnp.where(fin, jnp.abs(log_mass), 0.0), -1)
+  mag = 8 * eps * (abs_dot + big)
+  return (
+    2 * delta + mag + _tail.log_slack(n_terms, dt) + 4 * eps * (n_rounds + 2)
+  )
+
+
+def _grow_row(
+  q,
+  base,
+  count,
+  log_mass,
+  init,
+  exclude,
+  slack,
+  *,
+  keys,
+  values,
+  scale,
+  log_eps,
+  rounds,
+  max_groups,
+):
+  """Scores whole groups in rounds, by bound, until tau <= eps certified.
+
+  Args:
+    q: ``[d]`` query (compute dtype).
+    base: int offset of this row's kv head in the flat group axis.
+    count: ``[G]`` members per group.
+    log_mass: ``[G]`` log of a sound bound on the mass of each group's keys
+      NOT yet kept (-inf where none remain).
+    init: ``(m, z, o)`` online-softmax state of the keys already kept.
+    exclude: ``[G, C]`` bool slots already kept (never rescored), or None.
+    slack: scalar log slack of the final certificate.
+    keys: ``[B * G, C, d]``, values ``[B * G, C, dv]``: every kv head's
+      groups, flat (a round gathers ``rounds`` of them).
+    scale, log_eps: logit scale and log of the budget.
+    rounds: static groups per round.
+    max_groups: static cap on the groups scored.
+
+  Returns:
+    ``(out, log_tv, scored_group, n_scored, finite)``.
+  """
+  g_num = count.shape[0]
+  c_sz = keys.shape[1]
+  r = rounds
+  dt = q.dtype
+  live = log_mass > -jnp.inf
+  order = jnp.argsort(-log_mass)  # live groups first
+  limit = jnp.minimum(jnp.sum(live, dtype=jnp.int32), max_groups)
+  order_p = jnp.concatenate([order, jnp.zeros((r,), order.dtype)])
+  suffix = lax.cumlogsumexp(log_mass[order], axis=0, reverse=True)
+  suffix = jnp.concatenate([suffix, jnp.full((r + 1,), -jnp.inf, dt)])
+  target = log_eps - 2 * slack
+
+  def lse_kept(m, z):
+    return jnp.where(z > 0, m + jnp.log(jnp.where(z > 0, z, 1.0)), -jnp.inf)
+
+  def certified(j, m, z):
+    un = suffix[j]
+    return un - jnp.logaddexp(lse_kept(m, z), un) <= target
+
+  def cond(st):
+    j, m, z, _, _, _ = st
+    return (j < limit) & ~certified(j, m, z)
+
+  def body(st):
+    j, m, z, o, n_sc, fin = st
+    gi = lax.dynamic_slice(order_p, (j,), (r,))  # [R]
+    ok_g = (j + jnp.arange(r)) < limit
+    kb = keys[base + gi]  # [R, C, d]: one gather of contiguous groups
+    vb = values[base + gi]  # [R, C, dv]
+    ok = (jnp.arange(c_sz)[None, :] < count[gi][:, None]) & ok_g[:, None]
+    if exclude is not None:
+      ok = ok & ~exclude[gi]
+    s = jnp.einsum("rcd,d->rc", kb.astype(dt), q) * scale  # [R, C]
+    fin = fin & jnp.all(jnp.where(ok, jnp.isfinite(s), True))
+    m_new = jnp.maximum(m, jnp.max(jnp.where(ok, s, -jnp.inf)))
+    m_ref = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    alpha = jnp.where(m > -jnp.inf, jnp.exp(m - m_ref), 0.0)
+    p = jnp.where(ok, jnp.exp(jnp.where(ok, s, m_ref) - m_ref), 0.0)
+    z = z * alpha + jnp.sum(p)
+    o = o * alpha + jnp.einsum("rc,rcv->v", p, vb.astype(dt))
+    n_sc = n_sc + jnp.sum(ok, dtype=jnp.int32)
+    return j + r, m_new, z, o, n_sc, fin
+
+  m0, z0, o0 = init
+  st = (jnp.int32(0), m0, z0, o0, jnp.int32(0), jnp.bool_(True))
+  j, m, z, o, n_sc, fin = lax.while_loop(cond, body, st)
+  j = jnp.minimum(j, limit)
+  rank = jnp.zeros((g_num,), jnp.int32).at[order].set(jnp.arange(g_num))
+  scored = rank < j
+  log_u = logsumexp(log_mass, where=live & ~scored)
+  log_tv = log_u - jnp.logaddexp(lse_kept(m, z), log_u) + slack
+  # +inf bounds (overflow, NaN summaries) give NaN here: tau <= 1 holds.
+  log_tv = jnp.where(jnp.isnan(log_tv), 0.0, jnp.minimum(log_tv, 0.0))
+  log_tv = jnp.where(log_u == -jnp.inf, -jnp.inf, log_tv)
+  out = o / jnp.where(z > 0, z, 1.0)
+  return out, log_tv, scored, n_sc, fin
+
+
+def _rows(index, g):
+  """Per query row of ``[b, hk, g]``: flat group offset and group counts."""
+  b, hk, g_num = index.count.shape
+  base = (jnp.arange(b)[:, None] * hk + jnp.arange(hk)[None, :]) * g_num
+  base = jnp.broadcast_to(base[:, :, None], (b, hk, g)).reshape(-1)
+  count = jnp.broadcast_to(index.count[:, :, None], (b, hk, g, g_num))
+  return base.astype(jnp.int32), count.reshape(-1, g_num)
+
+
+def _map_rows(fn, *args):
+  """``fn`` over the leading (row) axis, one row after the other.
+
+  ``lax.map``, not vmap: under vmap a while loop runs every row until the
+  slowest stops, so time would follow the largest row's keys; here each
+  row stops on its own and time follows the total keys read.
+  """
+  return lax.map(lambda a: fn(*a), args)
+
+
+def _flat_kv(index):
+  b, hk, g_num, c_sz, d = index.keys.shape
+  keys = index.keys.reshape(b * hk * g_num, c_sz, d)
+  values = index.values.reshape(b * hk * g_num, c_sz, -1)
+  return keys, values
+
+
+def _split_heads(query, index, dt):
+  b, _, h, d = query.shape
+  hk = index.keys.shape[1]
+  return query.astype(dt).reshape(b, hk, h // hk, d)  # [b, hk, g, d]
+
+
+def _finish(
+  out,
+  log_tv,
+  ok,
+  k_kept,
+  keys_scored,
+  head_norm,
+  tail_norm,
+  b,
+  h,
+  query_dtype,
+  failure_prob=0.0,
+):
+  ok = ok & jnp.all(jnp.isfinite(out), -1)
+  cert = _certify.finish_certificate(
+    log_tv,
+    ok,
+    k_kept=k_kept,
+    keys_scored=keys_scored,
+    head_max_norm=head_norm,
+    tail_max_norm=tail_norm,
+    failure_prob=failure_prob,
+  )
+  out = jnp.where(ok[..., None], out, 0.0)
+  out = out.reshape(b, 1, h, -1).astype(query_dtype)
+  cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
+  return out, cert
+
+
+def _summary_cost(index):
+  return jnp.sum(index.count > 0, -1, dtype=jnp.int32) + _QUERY_SUMMARY_COST
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "scale"))
+def _search_decode(query, index, rng, *, policy, scale):
+  b, _, h, d = query.shape
+  dt = _dtype(query, index)
+  q = _split_heads(query, index, dt)  # [b, hk, g, d]
+  hk, g = q.shape[1], q.shape[2]
+  g_num, c_sz = index.num_groups, index.group_size
+  u = group_upper_bounds(q, index, scale)  # [b, hk, g, G]
+  cnt = jnp.broadcast_to(index.count[:, :, None], u.shape)
+  delta, abs_dot = logit_error(q, index.key_absmax[:, :, None], scale)
+  n_samp = 0
+  if policy.search == "mc":
+    slot_ok = jnp.arange(c_sz) < index.count[..., None]  # [b, hk, G, C]
+    rngs = jax.random.split(rng, (b, hk, g))
+    mc = functools.partial(
+      _search._mc_log_mass_row,
+      scale=scale,
+      num_samples=policy.num_samples,
+      delta=policy.delta,
+    )
+    mc = jax.vmap(mc, in_axes=(0, None, None, 0, 0, 0))  # over g
+    log_mass, _ = jax.vmap(jax.vmap(mc))(q, index.keys, slot_ok, u, cnt, rngs)
+    n_samp = policy.num_samples * jnp.sum(index.count > 0, -1)[..., None]
+  else:
+    log_mass = u + jnp.log(jnp.maximum(cnt, 1).astype(dt))
+  log_mass = jnp.where(cnt > 0, log_mass, -jnp.inf)
+  n_rounds = -(-g_num // index.groups_per_round)
+  slack = _row_slack(
+    abs_dot, delta, log_mass, g_num * c_sz + g_num, n_rounds, dt
+  )
+  dv = index.values.shape[-1]
+  rows = b * hk * g
+  init = (
+    jnp.full((rows,), -jnp.inf, dt),
+    jnp.zeros((rows,), dt),
+    jnp.zeros((rows, dv), dt),
+  )
+  keys, values = _flat_kv(index)
+  row = functools.partial(
+    _grow_row,
+    keys=keys,
+    values=values,
+    scale=scale,
+    log_eps=jnp.log(jnp.asarray(policy.eps, dt)),
+    rounds=index.groups_per_round,
+    max_groups=g_num,
+  )
+  base, count = _rows(index, g)
+  out, log_tv, scored, n_sc, fin = _map_rows(
+    lambda q, bs, c, lm, m0, z0, o0, sl: row(
+      q, bs, c, lm, (m0, z0, o0), None, sl
+    ),
+    q.reshape(rows, d),
+    base,
+    count,
+    log_mass.reshape(rows, g_num),
+    *init,
+    slack.reshape(rows),
+  )
+  shape = (b, hk, g)
+  out = out.reshape(*shape, dv)
+  log_tv, n_sc, fin = (x.reshape(shape) for x in (log_tv, n_sc, fin))
+  scored = scored.reshape(*shape, g_num)
+  vn = index.vnorm[:, :, None]  # [b, hk, 1, G]
+  live = cnt > 0
+  ok = (index.length[:, None, None] > 0) & fin
+  ok = ok & jnp.all(jnp.isfinite(q), -1)
+  cost = _summary_cost(index)[..., None] + n_samp
+  return _finish(
+    out,
+    log_tv,
+    ok,
+    n_sc,
+    n_sc + cost,
+    _certify.max_norm(vn, scored & live),
+    _certify.max_norm(vn, ~scored & live),
+    b,
+    h,
+    query.dtype,
+    failure_prob=policy.delta if policy.search == "mc" else 0.0,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "scale"))
+def _full_decode(query, index, *, policy, scale):
+  """Every stored key scored: 'exact' and fixed-count policies."""
+  b, _, h, d = query.shape
+  dt = _dtype(query, index)
+  q = _split_heads(query, index, dt)  # [b, hk, g, d]
+  bb, hk, g_num, c_sz, _ = index.keys.shape
+  k = index.keys.reshape(bb, hk, g_num * c_sz, d).astype(dt)
+  v = index.values.reshape(bb, hk, g_num * c_sz, -1)
+  s = jnp.einsum("bkgd,bknd->bkgn", q, k) * scale  # [b, hk, g, n]
+  valid = (jnp.arange(c_sz) < index.count[..., None]).reshape(bb, hk, -1)
+  valid = jnp.broadcast_to(valid[:, :, None], s.shape)
+  delta, _ = logit_error(q, index.key_absmax[:, :, None], scale)
+  norms = _certify.value_norms(v)[:, :, None]  # [b, hk, 1, n]
+  sel = _select.select_with_slack(
+    s, policy, valid=valid, norms=norms, log_extra_slack=2 * delta
+  )
+  keep = sel.keep
+  m = jnp.max(jnp.where(keep, s, -jnp.inf), -1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(keep, jnp.exp(jnp.where(keep, s, m) - m), 0.0)
+  den = jnp.sum(p, -1, keepdims=True)
+  out = jnp.einsum("bkgn,bknv->bkgv", p, v.astype(dt))
+  out = out / jnp.where(den > 0, den, 1.0)
+  cert = sel.certificate
+  ok = cert.valid & jnp.all(jnp.isfinite(out), -1)
+  cert = _certify.finish_certificate(
+    jnp.where(ok, cert.log_tv_bound, jnp.nan),
+    ok,
+    k_kept=cert.k_kept,
+    keys_scored=jnp.sum(valid, -1, dtype=jnp.int32),
+    head_max_norm=_certify.max_norm(norms, keep),
+    tail_max_norm=_certify.max_norm(norms, valid & ~keep),
+  )
+  out = jnp.where(ok[..., None], out, 0.0).reshape(b, 1, h, -1)
+  cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
+  return out.astype(query.dtype), cert
+
+
+def _check_query(query, index, name="query"):
+  query = jnp.asarray(query)
+  b, hk, _, _, d = index.keys.shape
+  if query.ndim != 4 or query.shape[:2] != (b, 1) or query.shape[3] != d:
+    raise ValueError(
+      f"{name} must be [batch={b}, 1, num_heads, head_dim={d}]; got"
+      f" {query.shape=}"
+    )
+  if query.shape[2] % hk:
+    raise ValueError(
+      f"num_heads={query.shape[2]} must be a multiple of num_kv_heads={hk}"
+    )
+  return query
+
+
+def _check_scale(scale, d):
+  scale = 1.0 / d**0.5 if scale is None else float(scale)
+  if not (scale > 0 and scale < float("inf")):
+    raise ValueError(f"{scale=} must be finite and > 0")
+  return scale
+
+
+def index_decode_attention(
+  query,
+  index: IndexedKVCache,
+  *,
+  policy: _policies.Policy,
+  scale: float | None = None,
+  implementation: str | None = None,
+  key=None,
+) -> tuple[jax.Array, Certificate]:
+  """``decode_attention`` over an IndexedKVCache (module docstring).
+
+  ``Certified(eps, 'delta' | 'mc')`` search the groups (``block_size`` must
+  equal the index's ``group_size``; ``max_topk`` and ``bound='lowrank'``
+  are refused); ``Certified(eps, 'exact')``, ``Dense`` and the fixed-count
+  policies score every key. Only the XLA implementation exists.
+
+  Returns:
+    ``(output [b, 1, h, dv], Certificate [b, 1, h])``.
+
+  Raises:
+    ValueError: on bad shapes, scale, implementation or a refused field.
+    TypeError: if ``policy`` is not a selection policy.
+  """
+  if not isinstance(policy, _policies.Policy):
+    raise TypeError(f"{policy=} must be a jaxtopk selection policy")
+  query = _check_query(query, index)
+  scale = _check_scale(scale, index.head_dim)
+  if implementation not in (None, "xla"):
+    raise ValueError(
+      f"{implementation=} is not available for an IndexedKVCache; use None"
+      " or 'xla'"
+    )
+  searching = isinstance(policy, _policies.Certified) and policy.search in (
+    "delta",
+    "mc",
+  )
+  if not searching:
+    return _full_decode(query, index, policy=policy, scale=scale)
+  if policy.bound != "box":
+    raise ValueError(
+      f"Certified.bound={policy.bound!r} is not supported by an"
+      " IndexedKVCache (its groups are bounded by their balls; use 'box')"
+    )
+  if policy.block_size != index.group_size:
+    raise ValueError(
+      f"Certified.block_size={policy.block_size} must equal the index's"
+      f" group_size={index.group_size} for search={policy.search!r}"
+    )
+  if policy.max_topk is not None:
+    raise ValueError(
+      f"Certified.max_topk={policy.max_topk} is not supported by"
+      f" search={policy.search!r} over an IndexedKVCache"
+    )
+  if policy.search == "mc" and key is None:
+    raise ValueError("search='mc' needs a PRNG key: pass key=")
+  rng = jax.random.key(0) if key is None else key
+  return _search_decode(query, index, rng, policy=policy, scale=scale)
+
+
+def _selected(q_row_positions, slot_row, length, c_sz, g_num):
+  """Slots of a selection and which entries are distinct real keys."""
+  pos = q_row_positions
+  m = pos.shape[0]
+  n = slot_row.shape[0]
+  in_range = (pos >= 0) & (pos < jnp.minimum(length, n))
+  slot = jnp.where(in_range, slot_row[jnp.clip(pos, 0, n - 1)], -1)
+  real = slot >= 0
+  flat = g_num * c_sz
+  tgt = jnp.where(real, slot, flat)  # out of range: dropped
+  first = jnp.full((flat,), m, jnp.int32)
+  first = first.at[tgt].min(jnp.arange(m, dtype=jnp.int32), mode="drop")
+  uniq = real & (first[jnp.clip(slot, 0, flat - 1)] == jnp.arange(m))
+  mask = jnp.zeros((flat,), bool).at[tgt].set(True, mode="drop")
+  return jnp.clip(slot, 0, flat - 1), uniq, mask.reshape(g_num, c_sz)
+
+
+def _selection_row(
+  q,
+  base,
+  count,
+  slot_row,
+  length,
+  u,
+  positions,
+  delta,
+  abs_dot,
+  *,
+  keys,
+  values,
+  scale,
+  eps,
+  rounds,
+  max_groups,
+):
+  """Certificate (and growth when ``max_groups`` > 0) for one query row."""
+  g_num = count.shape[0]
+  c_sz, d = keys.shape[1:]
+  dt = q.dtype
+  slot, uniq, sel = _selected(positions, slot_row, length, c_sz, g_num)
+  gi, ci = base + slot // c_sz, slot % c_sz
+  s = jnp.einsum("md,d->m", keys[gi, ci].astype(dt), q) * scale  # [m]
+  fin = jnp.all(jnp.where(uniq, jnp.isfinite(s), True))
+  m0 = jnp.max(jnp.where(uniq, s, -jnp.inf))
+  m_ref = jnp.where(jnp.isfinite(m0), m0, 0.0)
+  p = jnp.where(uniq, jnp.exp(jnp.where(uniq, s, m_ref) - m_ref), 0.0)
+  vals = values[gi, ci]  # [m, dv]
+  init = (m0, jnp.sum(p), p @ vals.astype(dt))
+  rem = count - jnp.sum(sel, -1, dtype=jnp.int32)  # keys left per group
+  log_mass = jnp.where(
+    rem > 0, u + jnp.log(jnp.maximum(rem, 1).astype(dt)), -jnp.inf
+  )
+  n_rounds = max(1, -(-max_groups // rounds)) if max_groups else 0
+  slack = _row_slack(
+    abs_dot, delta, log_mass, g_num * c_sz + g_num, n_rounds, dt
+  )
+  out, log_tv, scored, n_sc, fin2 = _grow_row(
+    q,
+    base,
+    count,
+    log_mass,
+    init,
+    sel,
+    slack,
+    keys=keys,
+    values=values,
+    scale=scale,
+    log_eps=jnp.log(jnp.asarray(eps, dt)),
+    rounds=rounds,
+    max_groups=max_groups,
+  )
+  n_sel = jnp.sum(uniq, dtype=jnp.int32)
+  head = _certify.max_norm(_certify.value_norms(vals), uniq)
+  return out, log_tv, scored, rem, n_sel + n_sc, fin & fin2, head
+
+
+@functools.partial(
+  jax.jit, static_argnames=("scale", "eps", "max_groups", "rounds")
+)
+def _selection(query, index, positions, *, scale, eps, max_groups, rounds):
+  b, _, h, d = query.shape
+  dt = _dtype(query, index)
+  q = _split_heads(query, index, dt)  # [b, hk, g, d]
+  hk, g = q.shape[1], q.shape[2]
+  g_num = index.num_groups
+  rows = b * hk * g
+  pos = positions.reshape(b, hk, g, -1)
+  u = group_upper_bounds(q, index, scale)  # [b, hk, g, G]
+  delta, abs_dot = logit_error(q, index.key_absmax[:, :, None], scale)
+  keys, values = _flat_kv(index)
+  row = functools.partial(
+    _selection_row,
+    keys=keys,
+    values=values,
+    scale=scale,
+    eps=eps,
+    rounds=rounds,
+    max_groups=max_groups,
+  )
+  base, count = _rows(index, g)
+  slot = jnp.broadcast_to(index.slot[:, :, None], (b, hk, g, index.max_len))
+  length = jnp.broadcast_to(index.length[:, None, None], (b, hk, g))
+  flat = lambda x: x.reshape(rows, *x.shape[3:])
+  out, log_tv, scored, rem, k_kept, fin, head = _map_rows(
+    row,
+    q.reshape(rows, d),
+    base,
+    count,
+    flat(slot),
+    flat(length),
+    flat(u),
+    flat(pos),
+    flat(delta),
+    flat(abs_dot),
+  )
+  shape = (b, hk, g)
+  out = out.reshape(*shape, -1)
+  scored, rem = scored.reshape(*shape, g_num), rem.reshape(*shape, g_num)
+  log_tv, k_kept, fin, head = (
+    x.reshape(shape) for x in (log_tv, k_kept, fin, head)
+  )
+  vn = index.vnorm[:, :, None]  # [b, hk, 1, G]
+  head = jnp.maximum(head, _certify.max_norm(vn, scored))
+  tail = _certify.max_norm(vn, ~scored & (rem > 0))
+  ok = (length > 0) & fin & jnp.all(jnp.isfinite(q), -1)
+  cost = _summary_cost(index)[..., None]
+  out, cert = _finish(
+    out, log_tv, ok, k_kept, k_kept + cost, head, tail, b, h, query.dtype
+  )
+  return out, cert, scored, pos
+
+
+def _check_positions(positions, query):
+  positions = jnp.asarray(positions)
+  if not jnp.issubdtype(positions.dtype, jnp.integer):
+    raise ValueError(
+      f"positions must be integer sequence positions; got {positions.dtype=}"
+    )
+  b, _, h, _ = query.shape
+  if positions.ndim != 4 or positions.shape[:2] != (b, 1):
+    raise ValueError(
+      f"positions must be [batch={b}, 1, num_heads={h} (or 1), m]; got"
+      f" {positions.shape=}"
+    )
+  if positions.shape[2] not in (1, h):
+    raise ValueError(
+      f"positions' head axis must be 1 or num_heads={h}; got {positions.shape=}"
+    )
+  return jnp.broadcast_to(positions, (b, 1, h, positions.shape[3])).astype(
+    jnp.int32
+  )
+
+
+def certify_selection(
+  query, index: IndexedKVCache, positions, *, scale: float | None = None
+) -> Certificate:
+  """A sound Certificate for a set of keys chosen by any other method.
+
+  THEORY 2.4 and 3.3. The set (a sliding window with attention sinks,
+  Quest-style pages, a learned indexer's choice, a user's list) is given as
+  sequence positions; only those keys are scored, every other key is
+  bounded through its group's ball (``group_upper_bounds``):
+  tau <= U / (Z_K + U), U = sum_g n_g' e^{u_g} over the keys n_g' of group
+  g outside the set. Sound on every row; it is tight when the set holds the
+  mass and the groups left out are far from the query.
+
+  Defined results: positions < 0 or >= the row's length are ignored (padding
+  of ragged sets); duplicates count once; an empty set gives tv_bound = 1
+  (tau = 1 exactly), k_kept = 0, valid = True when the row has keys; a row
+  with no keys is invalid (valid = False, fields NaN).
+
+  Args:
+    query: ``[batch, 1, num_heads, head_dim]`` one decode query per head.
+    index: an IndexedKVCache.
+    positions: int ``[batch, 1, num_heads or 1, m]`` kept positions.
+    scale: logit scale, default 1/sqrt(head_dim).
+
+  Returns:
+    A Certificate ``[batch, 1, num_heads]``: ``k_kept`` distinct real keys
+    of the set, ``keys_scored`` = k_kept + the summaries (one per non-empty
+    group + 2), ``output_error_bound`` for attention over the set.
+
+  Raises:
+    ValueError: on bad shapes, dtypes or scale.
+  """
+  query = _check_query(query, index)
+  scale = _check_scale(scale, index.head_dim)
+  positions = _check_positions(positions, query)
+  _, cert, _, _ = _selection(
+    query, index, positions, scale=scale, eps=0.5, max_groups=0, rounds=1
+  )
+  return cert
+
+
+def grow_selection(
+  query,
+  index: IndexedKVCache,
+  positions,
+  *,
+  eps: float,
+  max_groups: int | None = None,
+  scale: float | None = None,
+) -> tuple[jax.Array, Selection]:
+  """Grows a candidate set by whole groups until tau <= eps is certified.
+
+  Starts from ``positions`` (a cheap guess: a window, pages, an indexer's
+  choice), then adds the groups with the largest bound on their left-out
+  mass, ``groups_per_round`` at a time, scoring their keys, until the bound
+  of ``certify_selection`` is <= eps or ``max_groups`` groups were added;
+  then the certificate reports the true (possibly larger) bound, never a
+  silently wrong one.
+
+  Args:
+    query: ``[batch, 1, num_heads, head_dim]``.
+    index: an IndexedKVCache.
+    positions: int ``[batch, 1, num_heads or 1, m]`` starting set (see
+      ``certify_selection`` for padding, duplicates and empty sets).
+    eps: TV budget in (0, 1).
+    max_groups: most groups added per row (static), default all.
+    scale: logit scale, default 1/sqrt(head_dim).
+
+  Returns:
+    ``(output, selection)``: attention over the grown set ``[batch, 1,
+    num_heads, head_dim_v]`` and a Selection with ``keep`` ``[batch, 1,
+    num_heads, max_len]`` (True at kept positions) and its Certificate.
+
+  Raises:
+    ValueError: on bad shapes, eps, max_groups or scale.
+  """
+  query = _check_query(query, index)
+  scale = _check_scale(scale, index.head_dim)
+  positions = _check_positions(positions, query)
+  if not (isinstance(eps, int | float) and 0 < eps < 1):
+    raise ValueError(f"{eps=} must be in (0, 1)")
+  g_num = index.num_groups
+  max_groups = g_num if max_groups is None else max_groups
+  if (
+    isinstance(max_groups, bool)
+    or not isinstance(max_groups, int)
+    or (max_groups < 0)
+  ):
+    raise ValueError(f"{max_groups=} must be an int >= 0")
+  out, cert, scored, pos = _selection(
+    query,
+    index,
+    positions,
+    scale=scale,
+    eps=float(eps),
+    max_groups=min(max_groups, g_num),
+    rounds=index.groups_per_round,
+  )
+  keep = _kept_positions(index, scored, pos)
+  return out, Selection(keep=keep, k_kept=cert.k_kept, certificate=cert)
+
+
+@jax.jit
+def _kept_positions(index, scored, pos):
+  """``[b, 1, h, n]`` bool: the given positions plus the grown groups'."""
+  b, hk, g, _ = pos.shape
+  n = index.max_len
+  ln = index.length[:, None, None, None]
+  given = (pos >= 0) & (pos < ln)
+  rows = jnp.zeros((b, hk, g, n), bool)
+  bi = jnp.arange(b)[:, None, None, None]
+  hi = jnp.arange(hk)[None, :, None, None]
+  gi = jnp.arange(g)[None, None, :, None]
+  rows = rows.at[bi, hi, gi, jnp.where(given, pos, n)].set(True, mode="drop")
+  # Grown groups: every member position.
+  mem = jnp.where(
+    scored[..., None] & (index.position[:, :, None] >= 0),
+    index.position[:, :, None],
+    n,
+  )
+  mem = mem.reshape(b, hk, g, -1)
+  rows = rows.at[bi, hi, gi, mem].set(True, mode="drop")
+  return rows.reshape(b, 1, hk * g, n)
