@@ -41,6 +41,7 @@ Under vmap all rows run the same number of rounds (the slowest row's), so
 on the XLA path wall time follows the largest row's scored keys.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -301,7 +302,9 @@ def _summary_cost(index):
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "scale"))
-def _search_decode(query, index, rng, *, policy, scale):
+def _search_decode(query, index, rng, eps, *, policy, scale):
+  """Delta/MC-Search; ``eps`` is traced (``policy.eps`` is not read), so a
+  sweep over eps compiles once."""
   b, _, h, d = query.shape
   dt = _dtype(query, index)
   q = _split_heads(query, index, dt)  # [b, hk, g, d]
@@ -343,7 +346,7 @@ def _search_decode(query, index, rng, *, policy, scale):
     keys=keys,
     values=values,
     scale=scale,
-    log_eps=jnp.log(jnp.asarray(policy.eps, dt)),
+    log_eps=jnp.log(jnp.asarray(eps, dt)),
     rounds=index.groups_per_round,
     max_groups=g_num,
   )
@@ -368,7 +371,7 @@ def _search_decode(query, index, rng, *, policy, scale):
   ok = (index.length[:, None, None] > 0) & fin
   ok = ok & jnp.all(jnp.isfinite(q), -1)
   cost = _summary_cost(index)[..., None] + n_samp
-  return _finish(
+  out, cert = _finish(
     out,
     log_tv,
     ok,
@@ -381,6 +384,7 @@ def _search_decode(query, index, rng, *, policy, scale):
     query.dtype,
     failure_prob=policy.delta if policy.search == "mc" else 0.0,
   )
+  return out, cert, scored  # scored: [b, hk, g, G] groups kept
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "scale"))
@@ -500,7 +504,15 @@ def index_decode_attention(
   if policy.search == "mc" and key is None:
     raise ValueError("search='mc' needs a PRNG key: pass key=")
   rng = jax.random.key(0) if key is None else key
-  return _search_decode(query, index, rng, policy=policy, scale=scale)
+  out, cert, _ = _search_decode(
+    query,
+    index,
+    rng,
+    jnp.float32(policy.eps),
+    policy=dataclasses.replace(policy, eps=0.5),  # eps is traced
+    scale=scale,
+  )
+  return out, cert
 
 
 def _selected(q_row_positions, slot_row, length, c_sz, g_num):
@@ -530,11 +542,11 @@ def _selection_row(
   positions,
   delta,
   abs_dot,
+  eps,
   *,
   keys,
   values,
   scale,
-  eps,
   rounds,
   max_groups,
 ):
@@ -546,7 +558,7 @@ def _selection_row(
   gi, ci = base + slot // c_sz, slot % c_sz
   s = jnp.einsum("md,d->m", keys[gi, ci].astype(dt), q) * scale  # [m]
   fin = jnp.all(jnp.where(uniq, jnp.isfinite(s), True))
-  m0 = jnp.max(jnp.where(uniq, s, -jnp.inf))
+  m0 = jnp.max(jnp.where(uniq, s, -jnp.inf), initial=-jnp.inf)
   m_ref = jnp.where(jnp.isfinite(m0), m0, 0.0)
   p = jnp.where(uniq, jnp.exp(jnp.where(uniq, s, m_ref) - m_ref), 0.0)
   vals = values[gi, ci]  # [m, dv]
@@ -575,14 +587,12 @@ def _selection_row(
     max_groups=max_groups,
   )
   n_sel = jnp.sum(uniq, dtype=jnp.int32)
-  head = _certify.max_norm(_certify.value_norms(vals), uniq)
+  head = jnp.max(jnp.where(uniq, _certify.value_norms(vals), 0.0), initial=0.0)
   return out, log_tv, scored, rem, n_sel + n_sc, fin & fin2, head
 
 
-@functools.partial(
-  jax.jit, static_argnames=("scale", "eps", "max_groups", "rounds")
-)
-def _selection(query, index, positions, *, scale, eps, max_groups, rounds):
+@functools.partial(jax.jit, static_argnames=("scale", "max_groups", "rounds"))
+def _selection(query, index, positions, eps, *, scale, max_groups, rounds):
   b, _, h, d = query.shape
   dt = _dtype(query, index)
   q = _split_heads(query, index, dt)  # [b, hk, g, d]
@@ -598,7 +608,6 @@ def _selection(query, index, positions, *, scale, eps, max_groups, rounds):
     keys=keys,
     values=values,
     scale=scale,
-    eps=eps,
     rounds=rounds,
     max_groups=max_groups,
   )
@@ -617,6 +626,7 @@ def _selection(query, index, positions, *, scale, eps, max_groups, rounds):
     flat(pos),
     flat(delta),
     flat(abs_dot),
+    jnp.broadcast_to(jnp.asarray(eps, dt), (rows,)),
   )
   shape = (b, hk, g)
   out = out.reshape(*shape, -1)
@@ -692,7 +702,7 @@ def certify_selection(
   scale = _check_scale(scale, index.head_dim)
   positions = _check_positions(positions, query)
   _, cert, _, _ = _selection(
-    query, index, positions, scale=scale, eps=0.5, max_groups=0, rounds=1
+    query, index, positions, 0.5, scale=scale, max_groups=0, rounds=1
   )
   return cert
 
@@ -749,8 +759,8 @@ def grow_selection(
     query,
     index,
     positions,
+    jnp.float32(eps),
     scale=scale,
-    eps=float(eps),
     max_groups=min(max_groups, g_num),
     rounds=index.groups_per_round,
   )
