@@ -52,14 +52,6 @@ import jaxtopk
 from jaxtopk import nn
 from jaxtopk import tasks
 
-_CONFIG = config_flags.DEFINE_config_file(
-  "config",
-  None,
-  "Path to experiments/configs/native_topk.py[:smoke].",
-  lock_config=True,
-)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
-
 PHASES = ("base", "dense", "topk")
 TASKS = ("recall", "lookup", "aggregate", "needle")
 
@@ -524,5 +516,14 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags only when run as a script, so other binaries can import this one
+  # (experiments/kv_retrieval trains its decoder with train_phase).
+  _CONFIG = config_flags.DEFINE_config_file(
+    "config",
+    None,
+    "Path to experiments/configs/native_topk.py[:smoke].",
+    lock_config=True,
+  )
+  _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
   flags.mark_flags_as_required(["config", "workdir"])
   app.run(main)
