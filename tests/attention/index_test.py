@@ -130,7 +130,7 @@ class IndexSoundnessTest(parameterized.TestCase):
     scale = 1 / np.sqrt(D)
     for search in ("delta", "mc"):
       pol = jaxtopk.Certified(eps, search, block_size=C, delta=1e-6)
-      out, cert, scored = _index_search._search_decode(
+      out, cert, kept = _index_search._search_decode(
         query,
         index,
         jax.random.key(seed % 1000),
@@ -143,7 +143,7 @@ class IndexSoundnessTest(parameterized.TestCase):
         for h in range(H):
           hk = h // (H // HK)
           s = kf[b, hk] @ q64[b, h] * scale
-          keep = np.repeat(np.asarray(scored[b, hk, h % (H // HK)]), C)
+          keep = np.repeat(np.asarray(kept[b, hk, h % (H // HK)]), C)
           if cert.valid[b, 0, h]:
             self.assertLessEqual(float(cert.tv_bound[b, 0, h]), eps)
           _check_row(
