@@ -356,6 +356,22 @@ def _split_heads(query, index, dt):
   return query.astype(dt).reshape(b, hk, h // hk, d)  # [b, hk, g, d]
 
 
+def kept_rounding_error(delta, head_norm) -> jax.Array:
+  """Output error from logits off by at most ``delta`` inside the kept set.
+
+  With computed logits s_i + e_i, |e_i| <= delta, the kept weights change
+  by a factor in [e^{-2 delta}, e^{2 delta}], so their total variation is
+  at most 1 - e^{-2 delta} and the output moves by at most 2 (1 -
+  e^{-2 delta}) max_kept ||v|| (THEORY 4.1 with the rounding as the
+  perturbation). ``output_error_bound`` adds this: with logits ~1e30 two
+  tied keys differ by an ulp (~4e22) in float32 and the output is one value
+  instead of their mean, although no key was dropped (found by the soak).
+  """
+  dt = head_norm.dtype
+  e = -jnp.expm1(-2 * delta.astype(dt))
+  return 2 * e * head_norm * (1 + 8 * jnp.finfo(dt).eps)
+
+
 def _finish(
   out,
   log_tv,
@@ -367,6 +383,7 @@ def _finish(
   b,
   h,
   query_dtype,
+  delta,
   failure_prob=0.0,
 ):
   ok = ok & jnp.all(jnp.isfinite(out), -1)
@@ -379,6 +396,8 @@ def _finish(
     tail_max_norm=tail_norm,
     failure_prob=failure_prob,
   )
+  err = cert.output_error_bound + kept_rounding_error(delta, head_norm)
+  cert = dataclasses.replace(cert, output_error_bound=err)
   out = jnp.where(ok[..., None], out, 0.0)
   out = out.reshape(b, 1, h, -1).astype(query_dtype)
   cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
@@ -472,6 +491,7 @@ def _search_decode(query, index, rng, eps, *, policy, scale):
     b,
     h,
     query.dtype,
+    delta,
     failure_prob=policy.delta if policy.search == "mc" else 0.0,
   )
   return out, cert, kept  # kept: [b, hk, g, G] groups kept
@@ -503,14 +523,17 @@ def _full_decode(query, index, *, policy, scale):
   out = out / jnp.where(den > 0, den, 1.0)
   cert = sel.certificate
   ok = cert.valid & jnp.all(jnp.isfinite(out), -1)
+  head = _certify.max_norm(norms, keep)
   cert = _certify.finish_certificate(
     jnp.where(ok, cert.log_tv_bound, jnp.nan),
     ok,
     k_kept=cert.k_kept,
     keys_scored=jnp.sum(valid, -1, dtype=jnp.int32),
-    head_max_norm=_certify.max_norm(norms, keep),
+    head_max_norm=head,
     tail_max_norm=_certify.max_norm(norms, valid & ~keep),
   )
+  err = cert.output_error_bound + kept_rounding_error(delta, head)
+  cert = dataclasses.replace(cert, output_error_bound=err)
   out = jnp.where(ok[..., None], out, 0.0).reshape(b, 1, h, -1)
   cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
   return out.astype(query.dtype), cert
@@ -731,7 +754,7 @@ def _selection(query, index, positions, eps, *, scale, max_groups, rounds):
   ok = (length > 0) & fin & jnp.all(jnp.isfinite(q), -1)
   cost = _summary_cost(index)[..., None]
   out, cert = _finish(
-    out, log_tv, ok, k_kept, n_sc + cost, head, tail, b, h, query.dtype
+    out, log_tv, ok, k_kept, n_sc + cost, head, tail, b, h, query.dtype, delta
   )
   return out, cert, kept, pos
 
