@@ -1,4 +1,4 @@
-"""Benchmark: the real all-MiniLM-L6-v2 encoder in jaxtopk.nn.
+"""Benchmark: the real all-MiniLM-L6-v2 encoder in jaxtopk.models.
 
 Times, on real text (Debian licence passages), the three things other
 experiments pay for: loading the weights (``load_minilm``), the jitted dense
@@ -23,8 +23,10 @@ from absl import app
 from absl import flags
 from flax import nnx
 
+from experiments import _attention_rows
 from experiments import _common
-from jaxtopk import nn
+from experiments import _real_text
+from jaxtopk import models
 
 FLAGS = flags.FLAGS
 
@@ -39,24 +41,24 @@ def _define_flags():
 
 @nnx.jit
 def _embed(model, batch):
-  return nn.sentence_embedding(model, **batch)
+  return models.sentence_embedding(model, **batch)
 
 
 def run(batch_size: int, max_len: int, repeats: int) -> dict:
   """Runs the benchmark and returns its record."""
-  texts, sources = nn.real_text_passages(
+  texts, sources = _real_text.real_text_passages(
     batch_size, max_len, seed=0, return_sources=True
   )
-  load = _common.time_call(lambda: nn.load_minilm()[0], repeats)
-  model, tokenizer = nn.load_minilm()
-  batch = nn.minilm_tokenize(
+  load = _common.time_call(lambda: models.load_minilm()[0], repeats)
+  model, tokenizer = models.load_minilm()
+  batch = models.minilm_tokenize(
     tokenizer, texts, max_len=max_len, pad_to_max_len=True
   )
   forward = _common.time_call(lambda: _embed(model, batch), repeats)
   tokens = batch_size * max_len
   forward["tokens_per_s_at_min"] = tokens / forward["min_s"]
   rows = _common.time_call(
-    lambda: nn.minilm_attention_rows(
+    lambda: _attention_rows.minilm_attention_rows(
       texts,
       max_len,
       model=model,

@@ -9,7 +9,7 @@ faster at n >= 65,536. Both are jitted, timed round-robin; min and median.
 Part 2, ``delta``: Delta-Search (``jaxtopk.certified_search``, THEORY 6.2)
 keys_scored / n at eps = 0.01, 0.05, 0.1,
 - on real attention rows: all-MiniLM-L6-v2 (6 layers x 12 heads) on passages
-  of the Debian licence texts (``jaxtopk.nn.real_text_passages``), every
+  of the Debian licence texts (``experiments._real_text``), every
   ``--query_stride``-th real query of every layer, head and text;
 - on synthetic rows: 2,048 keys drifting along the sequence (random walks
   of step 0.3, flat rows, and 1.0, peaked rows with tight blocks), Gaussian
@@ -209,12 +209,13 @@ def _delta_rows(name, q, k, mask, scale, block_size, ranks):
 
 
 def part_delta(texts, stride, block_size):
-  from jaxtopk import nn as jnn  # noqa: PLC0415 (only part 2 needs it)
+  from experiments import _attention_rows  # only part 2 needs MiniLM
+  from experiments import _real_text
 
-  passages, sources = jnn.real_text_passages(
+  passages, sources = _real_text.real_text_passages(
     texts, max_words=200, return_sources=True
   )
-  rows = jnn.minilm_attention_rows(passages, max_len=256)
+  rows = _attention_rows.minilm_attention_rows(passages, max_len=256)
   q, k, km = rows["queries"], rows["keys"], rows["key_mask"]
   scale = float(rows["scale"])
   nl, b, h, s, dh = q.shape
