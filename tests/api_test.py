@@ -18,11 +18,13 @@ import ast
 import importlib
 import inspect
 import pathlib
+import re
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
-PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1] / "jaxtopk"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE_DIR = REPO / "jaxtopk"
 
 PACKAGES = (
   "jaxtopk",
@@ -189,6 +191,29 @@ class ImportGraphTest(absltest.TestCase):
       if m - found.get(f, set())
     }
     self.assertEqual(gone, {}, "fixed: remove these from the known list")
+
+
+# "THEORY 3.3", "THEORY.md section 1", "THEORY 4.2/4.4", "THEORY 3.1-3.3".
+_CITATION = re.compile(
+  r"THEORY(?:\.md)?(?: sections?)? (\d+(?:\.\d+)?(?:[/-]\d+(?:\.\d+)?)*)"
+)
+
+
+class TheoryCitationTest(absltest.TestCase):
+  def test_every_citation_names_a_section_of_theory_md(self):
+    text = (REPO / "THEORY.md").read_text()
+    sections = set(re.findall(r"^## (\d+)\. ", text, re.M))
+    sections |= set(re.findall(r"^\*\*(\d+\.\d+)\*\*", text, re.M))
+    self.assertGreater(len(sections), 40)
+    cited = {}
+    for folder in ("jaxtopk", "experiments", "colab", "tests"):
+      for path in (REPO / folder).rglob("*.py"):
+        for match in _CITATION.finditer(path.read_text()):
+          for number in re.split(r"[/-]", match.group(1)):
+            cited.setdefault(number, path.relative_to(REPO).as_posix())
+    self.assertGreater(len(cited), 30)
+    missing = {n: f for n, f in cited.items() if n not in sections}
+    self.assertEqual(missing, {}, "cited but absent from THEORY.md")
 
 
 if __name__ == "__main__":
