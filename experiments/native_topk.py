@@ -49,6 +49,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 import jaxtopk
+from experiments import _common
 from experiments import _selectors
 from jaxtopk import models
 from jaxtopk import tasks
@@ -496,21 +497,8 @@ def evaluate(config, trained_models, metrics):
 
 
 def _check_workdir(config, workdir):
-  """Refuses a workdir written with a different config; else writes it."""
-  os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, "config.json")
-  current = json.loads(config.to_json())
-  if os.path.exists(path):
-    with open(path) as f:
-      saved = json.load(f)
-    if saved != current:
-      raise ValueError(
-        f"{workdir=} holds a run with a different config.json; use a new "
-        "--workdir (or delete it) instead of mixing runs"
-      )
-  else:
-    with open(path, "w") as f:
-      json.dump(current, f, indent=1)
+  """Resumes a workdir of the same config, refuses another; else starts."""
+  return _common.Workdir(workdir, config, resumable=True)
 
 
 def run(config, workdir, should_stop=lambda: False):
