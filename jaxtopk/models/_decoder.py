@@ -360,7 +360,7 @@ class TopKDecoder(nnx.Module):
     cfg = self.config
     layers = []
     for k, v in kvs:
-      cache = init_kv_cache(
+      empty = init_kv_cache(
         b,
         capacity,
         cfg.num_heads,
@@ -368,7 +368,7 @@ class TopKDecoder(nnx.Module):
         block_size=block_size,
         dtype=k.dtype,
       )
-      layers.append(kv_cache_update(cache, k, v))
+      layers.append(kv_cache_update(empty, k, v))
     cache = DecoderCache(
       layers=tuple(layers), last_token=tokens[:, -1].astype(jnp.int32)
     )
