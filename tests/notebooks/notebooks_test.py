@@ -87,8 +87,10 @@ class CommittedNotebooksTest(parameterized.TestCase):
   @parameterized.named_parameters((name, name) for name in _NAMES)
   def test_committed_outputs_are_small_size_with_figures(self, name):
     nb = _read(name)
-    (injected,) = _tagged(nb, "injected-parameters")
-    self.assertIn("SMALL = True", injected.source)
+    injected = _tagged(nb, "injected-parameters")
+    rerun = f"rerun python colab/execute.py {name}"
+    self.assertLen(injected, 1, msg=f"not an executed notebook: {rerun}")
+    self.assertIn("SMALL = True", injected[0].source)
     self.assertGreaterEqual(_figures(nb), FIGURES[name])
     errors = [
       out
