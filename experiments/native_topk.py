@@ -49,7 +49,9 @@ from flax import nnx
 from ml_collections import config_flags
 
 import jaxtopk
-from jaxtopk import nn
+from experiments import _common
+from experiments import _selectors
+from jaxtopk import models
 from jaxtopk import tasks
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -165,11 +167,11 @@ class Metrics:
 # ------------------------------------------------------------- training
 
 
-def _model(config, seed) -> nn.TopKDecoder:
-  dcfg = nn.DecoderConfig(
+def _model(config, seed) -> models.TopKDecoder:
+  dcfg = models.DecoderConfig(
     vocab_size=_vocab(config).size, **config.model.to_dict()
   )
-  return nn.TopKDecoder(dcfg, rngs=nnx.Rngs(seed))
+  return models.TopKDecoder(dcfg, rngs=nnx.Rngs(seed))
 
 
 def _optimizer(model, config, phase):
@@ -244,18 +246,18 @@ def _manager(workdir, phase):
   )
 
 
-def _loss_fn(model, inputs, targets, weights, selector):
-  logits, _ = model(inputs, selector=selector)  # [b, s, vocab]
+def _loss_fn(model, inputs, targets, weights, attention):
+  logits, _ = model(inputs, attention=attention)  # [b, s, vocab]
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   loss = jnp.sum(ce * weights) / jnp.sum(weights)
   hit = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
   return loss, jnp.sum(hit * weights) / jnp.sum(weights)
 
 
-@nnx.jit(static_argnames=("selector",))
-def _train_step(model, optimizer, inputs, targets, weights, selector):
+@nnx.jit(static_argnames=("attention",))
+def _train_step(model, optimizer, inputs, targets, weights, attention):
   grad_fn = nnx.value_and_grad(_loss_fn, has_aux=True)
-  (loss, acc), grads = grad_fn(model, inputs, targets, weights, selector)
+  (loss, acc), grads = grad_fn(model, inputs, targets, weights, attention)
   optimizer.update(model, grads)
   return loss, acc
 
@@ -264,7 +266,7 @@ def train_phase(config, workdir, phase, metrics, should_stop):
   """Runs (or resumes) one training phase; returns (model, finished)."""
   t = config.train
   steps = t.base_steps if phase == "base" else t.finetune_steps
-  selector = jaxtopk.Ratio(t.train_rho) if phase == "topk" else None
+  attention = jaxtopk.Ratio(t.train_rho) if phase == "topk" else None
   model = _model(config, config.seed)
   optimizer = _optimizer(model, config, phase)
   manager = _manager(workdir, phase)
@@ -285,7 +287,7 @@ def train_phase(config, workdir, phase, metrics, should_stop):
   tick = time.time()
   for step in range(start, steps):
     batch = [jnp.asarray(a) for a in train_batch(config, phase, step)]
-    loss, acc = _train_step(model, optimizer, *batch, selector)
+    loss, acc = _train_step(model, optimizer, *batch, attention)
     done = step + 1
     if done % t.log_every == 0 or done == steps or done == 1:
       secs = (time.time() - tick) / (done - start)
@@ -321,15 +323,15 @@ def train_phase(config, workdir, phase, metrics, should_stop):
 # ----------------------------------------------------------- evaluation
 
 _decode = nnx.jit(
-  nn.decode_teacher_forced,
-  static_argnames=("prompt_len", "selector", "stats"),
+  models.decode_teacher_forced,
+  static_argnames=("prompt_len", "attention", "block_size"),
 )
 
 
 @nnx.jit
-def _dense_stats(model, inputs):
-  _, info = model(inputs, stats=True)
-  return [layer["entropy"] for layer in info]  # per layer [b, h, s]
+def _dense_entropy(model, inputs):
+  _, info = model(inputs, attention=_selectors.DENSE_STATS)
+  return [layer["entropy"] for layer in info]  # per layer [b, s, h]
 
 
 def eval_sets(config):
@@ -347,22 +349,47 @@ def eval_sets(config):
 
 
 def sweep_selectors(config):
-  """[(sweep, parameter, selector)] decoded for each model and task."""
+  """[(sweep, parameter, attention)] decoded for each model and task.
+
+  Dense, ratio and certified sweeps run the library's own decode path
+  (``jaxtopk.decode_attention`` with a policy, certificates included); the
+  fidelity sweeps plug the experiment's selectors in through the decoder's
+  attention hook (``_selectors.SelectorAttention``).
+  """
   e = config.eval
+  hook = _selectors.SelectorAttention
   out = [("dense", None, None)]
   out += [("ratio", r, jaxtopk.Ratio(r)) for r in e.rhos]
-  out += [("mixed", p, nn.MixedTopK(e.fidelity_rho, p)) for p in e.precisions]
   out += [
-    ("approx_emulated", r, nn.ApproxMaxK(e.fidelity_rho, r))
+    ("mixed", p, hook(_selectors.MixedTopK(e.fidelity_rho, p)))
+    for p in e.precisions
+  ]
+  out += [
+    ("approx_emulated", r, hook(_selectors.ApproxMaxK(e.fidelity_rho, r)))
     for r in e.recall_targets
   ]
   if e.approx_xla:
     out += [
-      ("approx_xla", r, nn.ApproxMaxK(e.fidelity_rho, r, emulate=False))
+      (
+        "approx_xla",
+        r,
+        hook(_selectors.ApproxMaxK(e.fidelity_rho, r, emulate=False)),
+      )
       for r in e.recall_targets
     ]
   out += [("certified", eps, jaxtopk.Certified(eps)) for eps in e.eps]
   return out
+
+
+def _row_stats(aux):
+  """``(kept, tv_bound, precision)`` of one layer's decode statistics.
+
+  A Certificate (policy sweeps) has no precision: the library keeps an exact
+  upper set of the logits, so precision is not measured there (None).
+  """
+  if isinstance(aux, jaxtopk.Certificate):
+    return aux.k_kept, aux.tv_bound, None
+  return aux["kept"], aux["tv_bound"], aux["precision"]
 
 
 def decode_eval(config, model, batch, prompt, selector, rng):
@@ -375,31 +402,33 @@ def decode_eval(config, model, batch, prompt, selector, rng):
     inputs = jnp.asarray(batch.inputs[lo : lo + size])
     targets = batch.targets[lo : lo + size]
     logits, infos = _decode(
-      model,
-      inputs,
-      prompt_len=prompt,
-      selector=selector,
-      rng=rng,
-      stats=True,
+      model, inputs, prompt_len=prompt, attention=selector, rng=rng
     )
     logits = np.asarray(logits)[:, steps]  # [b, answers, vocab]
     logits_all.append(logits)
     hits.append(np.argmax(logits, -1) == targets[:, cols])
-    for layer in infos:  # [b, h, decode steps]
-      kept.append(np.asarray(layer["kept"])[..., steps] / (cols + 1))
-      tv.append(np.asarray(layer["tv_bound"])[..., steps])
-      prec.append(np.asarray(layer["precision"])[..., steps])
+    for layer in infos:  # leaves [b, decode steps, h]
+      k_kept, tv_bound, precision = _row_stats(layer)
+      filled = (cols + 1)[None, :, None]  # keys in the cache at each answer
+      kept.append(np.asarray(k_kept)[:, steps] / filled)
+      tv.append(np.asarray(tv_bound)[:, steps])
+      if precision is not None:
+        prec.append(np.asarray(precision)[:, steps])
   tv = np.concatenate([x.ravel() for x in tv])
   return np.concatenate(logits_all), dict(
     acc=float(np.mean(np.concatenate(hits))),
     kept_frac=float(np.mean(np.concatenate([x.ravel() for x in kept]))),
     tv_bound_mean=float(np.mean(tv)),
     tv_bound_max=float(np.max(tv)),
-    precision=float(np.mean(np.concatenate([x.ravel() for x in prec]))),
+    precision=(
+      float(np.mean(np.concatenate([x.ravel() for x in prec])))
+      if prec
+      else None
+    ),
   )
 
 
-def evaluate(config, models, metrics):
+def evaluate(config, trained_models, metrics):
   """Runs every sweep; writes eval, check and entropy rows."""
   metrics.drop(lambda r: r.get("kind") in ("eval", "entropy", "check"))
   sets = eval_sets(config)
@@ -407,13 +436,13 @@ def evaluate(config, models, metrics):
   prompt = min(batch.first_answer for _, batch in sets)
   selectors = sweep_selectors(config)
   rng = jax.random.key(config.seed)
-  total, count, tick = len(models) * len(selectors), 0, time.time()
+  total, count, tick = len(trained_models) * len(selectors), 0, time.time()
   # Every model is evaluated through one module object: its weights are
   # swapped in, so the jitted decode compiles once per selector, not once per
   # model (a new TopKDecoder has a new graphdef: CertifiedTopKAttention
   # holds a per-instance attention_fn closure as a static attribute).
   model = _model(config, config.seed)
-  for model_name, trained in models.items():
+  for model_name, trained in trained_models.items():
     nnx.update(model, nnx.state(trained))
     dense_logits = {}
     for sweep, param, selector in selectors:
@@ -450,16 +479,16 @@ def evaluate(config, models, metrics):
     # Entropy over recall, lookup, aggregate and the first needle depth.
     inputs = np.concatenate([b.inputs for _, b in sets[:4]])
     answer = np.concatenate([b.answer_mask for _, b in sets[:4]])
-    for layer, ent in enumerate(_dense_stats(model, jnp.asarray(inputs))):
-      ent = np.asarray(ent)  # [b, h, s]
-      for head in range(ent.shape[1]):
+    for layer, ent in enumerate(_dense_entropy(model, jnp.asarray(inputs))):
+      ent = np.asarray(ent)  # [b, s, h]
+      for head in range(ent.shape[2]):
         metrics.write(
           kind="entropy",
           model=model_name,
           layer=layer,
           head=head,
-          entropy_all=float(np.mean(ent[:, head, 1:])),
-          entropy_answer=float(np.mean(ent[:, head][answer])),
+          entropy_all=float(np.mean(ent[:, 1:, head])),
+          entropy_answer=float(np.mean(ent[:, :, head][answer])),
           log_context=float(math.log(config.seq_len)),
         )
 
@@ -468,36 +497,23 @@ def evaluate(config, models, metrics):
 
 
 def _check_workdir(config, workdir):
-  """Refuses a workdir written with a different config; else writes it."""
-  os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, "config.json")
-  current = json.loads(config.to_json())
-  if os.path.exists(path):
-    with open(path) as f:
-      saved = json.load(f)
-    if saved != current:
-      raise ValueError(
-        f"{workdir=} holds a run with a different config.json; use a new "
-        "--workdir (or delete it) instead of mixing runs"
-      )
-  else:
-    with open(path, "w") as f:
-      json.dump(current, f, indent=1)
+  """Resumes a workdir of the same config, refuses another; else starts."""
+  return _common.Workdir(workdir, config, resumable=True)
 
 
 def run(config, workdir, should_stop=lambda: False):
   """Trains, evaluates and reports; returns False if stopped early."""
   _check_workdir(config, workdir)
   metrics = Metrics(os.path.join(workdir, "metrics.jsonl"))
-  models = {}
+  trained = {}
   for phase in PHASES:
     model, finished = train_phase(config, workdir, phase, metrics, should_stop)
     if not finished:
       return False
     if phase != "base":
-      models[phase] = model
+      trained[phase] = model
   tick = time.time()
-  evaluate(config, models, metrics)
+  evaluate(config, trained, metrics)
   logging.info("evaluation took %.0f s", time.time() - tick)
   from experiments import _native_topk_report as report  # needs matplotlib
 

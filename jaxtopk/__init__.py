@@ -5,6 +5,7 @@ a certificate bounding the softmax mass (total variation) it dropped.
 """
 
 from jaxtopk import kernels
+from jaxtopk import models
 from jaxtopk import nn
 from jaxtopk import parallel
 from jaxtopk import theory
