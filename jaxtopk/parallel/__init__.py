@@ -45,6 +45,7 @@ from jaxtopk.parallel._multihost import is_main_process
 from jaxtopk.parallel._multihost import make_global_array
 from jaxtopk.parallel._multihost import maybe_initialize_distributed
 from jaxtopk.parallel._multihost import process_local_slices
+from jaxtopk.parallel._multihost import put_global
 from jaxtopk.parallel._rules import ATTENTION_RULES
 from jaxtopk.parallel._rules import activation_sharding
 from jaxtopk.parallel._rules import param_shardings

@@ -117,8 +117,7 @@ class LocalCluster:
 
   Args:
     argv: the command every process runs (``argv[0]`` an executable).
-    num_processes: processes to start; with 1 no distributed variables are
-      set (a plain single-process run).
+    num_processes: processes to start.
     devices_per_process: CPU devices per process (``JAX_NUM_CPU_DEVICES``).
     timeout_s: deadline for every process, from ``start``.
     env: extra environment variables (over a copy of ``os.environ``
@@ -129,6 +128,10 @@ class LocalCluster:
       directory, removed by ``close`` unless ``keep_logs``).
     keep_logs: keep a default ``log_dir`` after ``close``.
     cpu_collectives: ``JAXTOPK_CPU_COLLECTIVES`` for the processes.
+    distributed: set the ``JAXTOPK_*`` cluster variables (default: when
+      ``num_processes > 1``). True with one process gives a one-process
+      jax.distributed run: its collectives go through ``cpu_collectives``
+      like a multi-process run's, not XLA's in-process ones.
 
   Raises:
     ValueError: for a bad process or device count or timeout.
@@ -146,6 +149,7 @@ class LocalCluster:
     log_dir: str | os.PathLike | None = None,
     keep_logs: bool = False,
     cpu_collectives: str = "gloo",
+    distributed: bool | None = None,
   ):
     if not (isinstance(num_processes, int) and num_processes >= 1):
       raise ValueError(f"{num_processes=} must be an int >= 1")
@@ -167,6 +171,7 @@ class LocalCluster:
     self._keep_logs = keep_logs
     self.log_dir = None if log_dir is None else os.fspath(log_dir)
     self.cpu_collectives = cpu_collectives
+    self.distributed = num_processes > 1 if distributed is None else distributed
     self.coordinator_address = None
     self._procs: list[subprocess.Popen] = []
     self._logs = []
@@ -188,7 +193,7 @@ class LocalCluster:
       env["XLA_FLAGS"] = flags
     else:
       env.pop("XLA_FLAGS", None)
-    if self.num_processes > 1:
+    if self.distributed:
       env[_multihost.ENV_COORDINATOR] = self.coordinator_address
       env[_multihost.ENV_NUM_PROCESSES] = str(self.num_processes)
       env[_multihost.ENV_PROCESS_ID] = str(process_id)

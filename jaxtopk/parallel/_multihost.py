@@ -15,6 +15,8 @@ every such program needs, written once:
   global ``jax.Array`` from the block of data THIS process loads
   (``jax.make_array_from_process_local_data``); a process never needs the
   whole array.
+- ``put_global``: values every process holds alike (same seed) placed on
+  global shardings without ``jax.device_put``'s cross-process check;
 - ``fetch``: global arrays to numpy on every process (an all-gather over
   processes where the array is split across them), for metrics and tests.
 - ``is_main_process`` (metrics, figures and reports are written by process
@@ -326,6 +328,33 @@ def global_batch(
     )
   sharding = NamedSharding(mesh, P(ax, *([None] * (batch.ndim - 1))))
   return make_global_array(lambda sl: batch[sl], sharding, batch.shape)
+
+
+def put_global(tree, shardings):
+  """Places values every process holds alike on (multi-process) shardings.
+
+  Every process passes the same values (the same seeded initialisation, a
+  host copy of restored weights); each hands over only the blocks its own
+  devices hold (``make_global_array``). ``jax.device_put`` does the same
+  but first all-gathers every leaf to check it is equal on all processes
+  (one collective per leaf, seconds for a small model on gloo); here
+  nothing is compared: equal inputs are the caller's promise. For models
+  too large for one host, initialise them sharded instead
+  (``jax.jit(init, out_shardings=...)``).
+
+  Args:
+    tree: a pytree of arrays (numpy or fully addressable jax.Arrays).
+    shardings: a matching pytree of ``jax.sharding.Sharding``.
+
+  Returns:
+    The pytree of global ``jax.Array``.
+  """
+
+  def one(x, sharding):
+    host = np.asarray(x)
+    return make_global_array(lambda sl: host[sl], sharding, host.shape)
+
+  return jax.tree.map(one, tree, shardings)
 
 
 def fetch(tree):

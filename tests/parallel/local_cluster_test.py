@@ -75,6 +75,10 @@ class LocalClusterTest(absltest.TestCase):
     code = "import os; print(os.environ.get('JAXTOPK_PROCESS_ID'))"
     (result,) = parallel.launch_local(_py(code), num_processes=1, timeout_s=60)
     self.assertEqual(result.output.strip(), "None")
+    (result,) = parallel.launch_local(
+      _py(code), num_processes=1, timeout_s=60, distributed=True
+    )
+    self.assertEqual(result.output.strip(), "0")
 
   def test_failed_process_stops_the_others_and_is_named(self):
     code = (

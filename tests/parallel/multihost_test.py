@@ -173,6 +173,18 @@ class DataTest(parameterized.TestCase):
     self.assertEqual(arr.shape, (3, 2))
     np.testing.assert_array_equal(np.asarray(arr), x)
 
+  def test_put_global_follows_the_shardings(self):
+    mesh = parallel.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    tree = {"w": np.ones((3, 2), np.float32), "n": np.int32(4)}
+    shardings = {
+      "w": NamedSharding(mesh, P("data")),
+      "n": NamedSharding(mesh, P()),
+    }
+    out = parallel.put_global(tree, shardings)
+    self.assertEqual(out["w"].sharding, shardings["w"])
+    np.testing.assert_array_equal(out["w"], tree["w"])
+    self.assertEqual(int(out["n"]), 4)
+
   def test_single_process_helpers(self):
     self.assertTrue(parallel.is_main_process())
     self.assertTrue(parallel.any_process(True))
