@@ -72,25 +72,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
-def _load_prctl():
+# On Linux each process first runs this (no preexec_fn: the fork stays
+# free of Python code, which jax warns about in a multithreaded parent): ask
+# for SIGKILL when the parent dies, exit if it already has, then exec the
+# real command (the setting survives exec).
+_DIE_WITH_PARENT = """\
+import ctypes, os, sys
+try:
+  ctypes.CDLL("libc.so.6").prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+except (OSError, AttributeError):
+  pass
+if os.getppid() != int(sys.argv[1]):
+  sys.exit("jaxtopk LocalCluster: the launching process is gone")
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _with_parent_watch(argv: list[str]) -> list[str]:
   if not sys.platform.startswith("linux"):
-    return None
-  import ctypes
-
-  try:
-    return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-  except OSError:
-    return None
-
-
-_PRCTL = _load_prctl()  # loaded here: the child only makes the call
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent():
-  """Runs in the child between fork and exec: die when the parent does."""
-  if _PRCTL is not None:
-    _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    return argv
+  return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 def _tail(text: str, lines: int = _TAIL_LINES) -> str:
@@ -224,14 +225,13 @@ class LocalCluster:
         self._logs.append(log)
         self._procs.append(
           subprocess.Popen(
-            self.argv,
+            _with_parent_watch(self.argv),
             cwd=self.cwd,
             env=self._env(i),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
           )
         )
     except BaseException:

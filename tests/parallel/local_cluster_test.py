@@ -132,6 +132,35 @@ class LocalClusterTest(absltest.TestCase):
       time.sleep(0.05)
     self.assertFalse(any(_alive(p) for p in pids), pids)
 
+  def test_processes_die_with_the_launcher(self):
+    # A launcher process starts a cluster, then is SIGKILLed (no close()).
+    launcher = (
+      "import sys\n"
+      "from jaxtopk import parallel\n"
+      "c = parallel.LocalCluster([sys.executable, '-c', 'import os, time;"
+      " print(os.getpid(), flush=True); time.sleep(120)'],"
+      " num_processes=2, timeout_s=100).start()\n"
+      "c.wait_until(lambda: all(c.output(i) for i in range(2)), what='pids')\n"
+      "print(*(c.output(i).strip() for i in range(2)), flush=True)\n"
+      "import time; time.sleep(120)\n"
+    )
+    with parallel.LocalCluster(
+      _py(launcher),
+      num_processes=1,
+      timeout_s=100,
+      env={"PYTHONPATH": str(pathlib.Path(__file__).parents[2])},
+    ) as outer:
+      outer.wait_until(
+        lambda: len(outer.output(0).split()) == 2, what="the cluster's pids"
+      )
+      pids = [int(p) for p in outer.output(0).split()]
+      self.assertTrue(all(_alive(p) for p in pids))
+      outer.kill(0)
+      deadline = time.monotonic() + 10
+      while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+      self.assertFalse(any(_alive(p) for p in pids), pids)
+
   def test_expected_kill_is_not_a_failure(self):
     code = (
       "import os, time\n"
