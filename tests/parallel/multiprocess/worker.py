@@ -28,6 +28,7 @@ program is also timed and its collectives read from the compiled HLO
   python -m tests.parallel.multiprocess.worker --out=/tmp/w --prefill
 """
 
+import dataclasses
 import json
 import pathlib
 import time
@@ -241,6 +242,63 @@ def run_decode(results, bench, repeats):
       )
 
 
+def run_decode_large(results, bench, repeats):
+  """A larger decode step (timed only): 2 x 8 heads x 32,768 positions."""
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jaxtopk
+  from jaxtopk import parallel
+
+  del results
+  b, hk, n, d = 2, 8, 32768, 64
+  mesh = parallel.make_mesh({"kv": 8})
+  policy = jaxtopk.Certified(0.01)
+  rng = np.random.default_rng(7)
+  cache = jaxtopk.init_kv_cache(b, n, hk, d, block_size=64)
+  shardings = parallel.cache_shardings(mesh, cache)
+
+  def load(shape, scale=1.0):  # each process draws only its own block
+    sharding = NamedSharding(mesh, P(None, None, "kv", None))
+    return parallel.make_global_array(
+      lambda sl: (
+        np.random.default_rng([7, sl[2].start])
+        .standard_normal([x.stop - x.start for x in sl])
+        .astype(np.float32)
+        * scale
+      ),
+      sharding,
+      shape,
+    )
+
+  small = dict(
+    length=np.full((b,), n, np.int32),
+    kmin=cache.kmin,
+    kmax=cache.kmax,
+    vnorm=cache.vnorm,
+  )  # block summaries stay empty: the sharded decode does not read them
+  small = parallel.put_global(small, {k: getattr(shardings, k) for k in small})
+  cache = dataclasses.replace(
+    cache, keys=load((b, hk, n, d)), values=load((b, hk, n, d)), **small
+  )
+  q = rng.standard_normal((b, 1, hk, d)).astype(np.float32) * 4
+  q = parallel.make_global_array(
+    lambda sl: q[sl], NamedSharding(mesh, P()), q.shape
+  )
+  fn = jax.jit(
+    lambda q_, c_: parallel.sharded_decode_attention(
+      q_, c_, policy=policy, mesh=mesh
+    )
+  )
+  hlo = fn.lower(q, cache).compile().as_text()
+  bench["decode_large_kv8_certified"] = dict(
+    comm=parallel.communication_summary(hlo),
+    keys=n,
+    **_time(lambda: fn(q, cache), repeats),
+  )
+
+
 def run_train(results, bench, workdir, stop_at, repeats):
   import jax
   from flax import nnx
@@ -302,6 +360,7 @@ def _define_flags():
     "train_stop_at", None, "Stop the Top-k fine-tune after this step."
   )
   flags.DEFINE_integer("repeats", 0, "Time each program this many times.")
+  flags.DEFINE_bool("decode_large", False, "Time a 32,768-position decode.")
 
 
 def _write(out, stage, results, info):
@@ -340,6 +399,11 @@ def main(argv):
   stages = (
     ("prefill", FLAGS.prefill, lambda r, b: run_prefill(r, b, FLAGS.repeats)),
     ("decode", FLAGS.decode, lambda r, b: run_decode(r, b, FLAGS.repeats)),
+    (
+      "decode_large",
+      FLAGS.decode_large,
+      lambda r, b: run_decode_large(r, b, max(FLAGS.repeats, 1)),
+    ),
     (
       "train",
       bool(FLAGS.train_workdir),
