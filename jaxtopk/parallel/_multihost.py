@@ -360,18 +360,38 @@ def put_global(tree, shardings):
 def fetch(tree):
   """Every array leaf as numpy, on every process.
 
-  A leaf split across processes is all-gathered over them
-  (``multihost_utils.process_allgather``); one held whole by this process
-  (fully addressable or fully replicated) is copied; other leaves are
-  passed to ``np.asarray``. Call it on every process (it is a collective).
+  Leaves split across processes are gathered by ONE jitted identity per
+  mesh (resharded to replicated: an all-gather), not one program per
+  leaf; leaves this process holds whole (fully addressable or fully
+  replicated) are copied; other leaves go through ``np.asarray``. Call it
+  on every process with the same tree (it is a collective).
   """
-  from jax.experimental import multihost_utils
+  leaves, treedef = jax.tree.flatten(tree)
+  split = [
+    i
+    for i, x in enumerate(leaves)
+    if isinstance(x, jax.Array)
+    and not (x.is_fully_addressable or x.is_fully_replicated)
+  ]
+  groups = {}  # mesh -> leaf indices
+  for i in split:
+    sharding = leaves[i].sharding
+    key = sharding.mesh if isinstance(sharding, NamedSharding) else None
+    groups.setdefault(key, []).append(i)
+  out = list(leaves)
+  for mesh, idx in groups.items():
+    arrays = [leaves[i] for i in idx]
+    if mesh is None:  # not a NamedSharding: jax's per-array all-gather
+      from jax.experimental import multihost_utils
 
-  def one(x):
-    if isinstance(x, jax.Array) and not (
-      x.is_fully_addressable or x.is_fully_replicated
-    ):
-      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-
-  return jax.tree.map(one, tree)
+      gathered = [
+        multihost_utils.process_allgather(x, tiled=True) for x in arrays
+      ]
+    else:
+      replicated = NamedSharding(mesh, P())
+      gathered = jax.jit(
+        lambda xs: xs, out_shardings=[replicated] * len(arrays)
+      )(arrays)
+    for i, x in zip(idx, gathered, strict=True):
+      out[i] = x
+  return jax.tree.unflatten(treedef, [np.asarray(x) for x in out])

@@ -52,21 +52,13 @@ def prefill_cases():
 
   return (
     ("prefill_kv8_fixedk", {"kv": 8}, jaxtopk.FixedK(5), H, True, False),
-    (
-      "prefill_heads2_kv4_certified",
+    (  # GQA: 2 kv heads for the 4 query heads, one per `heads` shard
+      "prefill_heads2_kv4_certified_gqa",
       {"heads": 2, "kv": 4},
       jaxtopk.Certified(0.05),
-      H,
-      False,
-      True,
-    ),
-    (
-      "prefill_kv4_data2_ratio_gqa",
-      {"kv": 4, "data": 2},
-      jaxtopk.Ratio(0.25),
       2,
-      True,
       False,
+      True,
     ),
   )
 
