@@ -116,7 +116,7 @@ def main(argv):
         for program, b in info["bench"].items():
           row = rows.setdefault(program, dict(comm=b["comm"], ms={}))
           row["ms"][name] = dict(min_ms=b["min_ms"], median_ms=b["median_ms"])
-          if b["comm"]["count"] != row["comm"]["count"]:
+          if b["comm"] != row["comm"]:  # the same SPMD program: never seen
             row.setdefault("comm_by_layout", {})[name] = b["comm"]
   import jax
 
