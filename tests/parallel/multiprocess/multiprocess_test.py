@@ -30,7 +30,10 @@ output-error bound is sound against float64 truth; the loss curve stitched
 from A, B and C is R0's: bitwise up to step 3 (gloo), within tolerance at
 the last step (C).
 
-Cost: 8 processes of ~10-15 s of CPU each (XLA compilation above all);
+A fifth, short run checks that a peer dying after start-up fails the run
+within seconds, naming it.
+
+Cost: 10 processes of ~10-15 s of CPU each (XLA compilation above all);
 BUILD_NOTES "Multi-host (issue 17)" has the measured wall time.
 """
 
@@ -39,6 +42,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -268,6 +272,22 @@ class MultiProcessTest(absltest.TestCase):
     self.assertTrue(np.all(bound[real] >= err[real]))
     out = np.moveaxis(got[f"{name}/out"], t_axis, 2)  # [b, h, t, e]
     np.testing.assert_allclose(out[real], mu_head[real], **tol(np.float32))
+
+  @pytest.mark.slow
+  def test_a_dead_peer_fails_fast_and_is_named(self):
+    # Process 1 dies after start-up; process 0 waits for it in the first
+    # collective of the prefill until the cluster kills it.
+    out = self.tmp / "crash"
+    t0 = time.monotonic()
+    with _launch(out, 2, 4, "--prefill", "--crash_process=1") as cluster:
+      with self.assertRaises(parallel.ClusterError) as ctx:
+        cluster.wait()
+    self.assertLess(time.monotonic() - t0, _TIMEOUT_S / 2)  # not the deadline
+    msg = str(ctx.exception)
+    self.assertIn("process 1 of 2 failed with exit status 1", msg)
+    self.assertIn("RuntimeError: injected failure in process 1", msg)
+    self.assertIn("--- process 0 (exit status -9)", msg)  # killed, reported
+    self.assertEqual(cluster.returncodes()[0], -9)
 
   @pytest.mark.slow
   def test_sigkill_left_a_restorable_checkpoint(self):

@@ -30,8 +30,11 @@ program is also timed and its collectives read from the compiled HLO
 
 import dataclasses
 import json
+import os
 import pathlib
+import sys
 import time
+import traceback
 
 import numpy as np
 from absl import app
@@ -353,6 +356,9 @@ def _define_flags():
   )
   flags.DEFINE_integer("repeats", 0, "Time each program this many times.")
   flags.DEFINE_bool("decode_large", False, "Time a 32,768-position decode.")
+  flags.DEFINE_integer(
+    "crash_process", None, "This process raises before its first stage."
+  )
 
 
 def _write(out, stage, results, info):
@@ -369,6 +375,23 @@ def _write(out, stage, results, info):
 
 
 def main(argv):
+  """Runs the stages; on any error, ends this process at once.
+
+  A process that raises after ``jax.distributed.initialize`` would wait in
+  jax's atexit shutdown barrier for its peers (up to 300 s) while they wait
+  for it in a collective: print the error and ``os._exit(1)`` instead, so
+  the cluster sees the failure immediately.
+  """
+  try:
+    _main(argv)
+  except BaseException:  # noqa: BLE001 (reported, then the process ends)
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _main(argv):
   del argv
   tick = time.time()
   from jaxtopk import parallel
@@ -388,6 +411,8 @@ def main(argv):
     cpu_collectives=jax.config.jax_cpu_collectives_implementation,
   )
   print(f"worker {info}", flush=True)
+  if FLAGS.crash_process == jax.process_index():
+    raise RuntimeError(f"injected failure in process {jax.process_index()}")
   stages = (
     ("prefill", FLAGS.prefill, lambda r, b: run_prefill(r, b, FLAGS.repeats)),
     ("decode", FLAGS.decode, lambda r, b: run_decode(r, b, FLAGS.repeats)),
