@@ -589,7 +589,8 @@ def main(argv):
   signal.signal(signal.SIGTERM, handler)
   signal.signal(signal.SIGINT, handler)
   tick = time.time()
-  finished = run(_CONFIG.value, _WORKDIR.value, stop.is_set, mesh)
+  with parallel.fail_fast():  # multi-host: a failed process ends at once
+    finished = run(_CONFIG.value, _WORKDIR.value, stop.is_set, mesh)
   logging.info(
     "%s in %.0f s", "finished" if finished else "stopped", time.time() - tick
   )

@@ -39,6 +39,7 @@ from jaxtopk.parallel._mesh import parse_mesh_flag
 from jaxtopk.parallel._mesh import shard_attention_inputs
 from jaxtopk.parallel._multihost import any_process
 from jaxtopk.parallel._multihost import define_distributed_flags
+from jaxtopk.parallel._multihost import fail_fast
 from jaxtopk.parallel._multihost import fetch
 from jaxtopk.parallel._multihost import global_batch
 from jaxtopk.parallel._multihost import is_main_process

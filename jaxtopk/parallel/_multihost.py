@@ -20,8 +20,10 @@ every such program needs, written once:
 - ``fetch``: global arrays to numpy on every process (an all-gather over
   processes where the array is split across them), for metrics and tests.
 - ``is_main_process`` (metrics, figures and reports are written by process
-  0 only) and ``any_process`` (a stop decision every process agrees on, so
-  no process leaves a collective its peers are still waiting in).
+  0 only), ``any_process`` (a stop decision every process agrees on, so
+  no process leaves a collective its peers are still waiting in) and
+  ``fail_fast`` (a failed process ends at once instead of waiting in jax's
+  shutdown barrier for peers that wait for it).
 
 Environment variables read by ``maybe_initialize_distributed`` (an argument
 or flag wins over its variable):
@@ -39,7 +41,10 @@ jax itself reads ``JAX_LOCAL_DEVICE_IDS`` and ``JAX_NUM_CPU_DEVICES`` (CPU
 devices per process).
 """
 
+import contextlib
 import os
+import sys
+import traceback
 from collections.abc import Callable
 from collections.abc import Sequence
 
@@ -201,6 +206,36 @@ def define_distributed_flags(flag_values=None) -> Callable[[], bool]:
     )
 
   return init
+
+
+@contextlib.contextmanager
+def fail_fast():
+  """Ends this process at once if the block raises in a multi-process run.
+
+  A process that raises after ``jax.distributed.initialize`` does not exit:
+  jax's atexit shutdown waits (up to its 300 s timeout) for peers that are
+  themselves waiting for it in a collective. Inside ``fail_fast()`` such an
+  error is printed and the process ends with ``os._exit(1)``, so a
+  scheduler (or ``LocalCluster``) sees the failure immediately. On one
+  process, or for a clean ``sys.exit(0)``, exceptions pass through.
+
+  Example::
+
+    def main(argv):
+      parallel.maybe_initialize_distributed()
+      with parallel.fail_fast():
+        train(...)
+  """
+  try:
+    yield
+  except BaseException as e:
+    clean_exit = isinstance(e, SystemExit) and e.code in (0, None)
+    if clean_exit or not jax.distributed.is_initialized():
+      raise
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def is_main_process() -> bool:

@@ -135,6 +135,27 @@ class InitializeTest(absltest.TestCase):
     self.init.assert_not_called()
 
 
+class FailFastTest(absltest.TestCase):
+  def test_single_process_errors_pass_through(self):
+    with mock.patch.object(jax.distributed, "is_initialized", lambda: False):
+      with self.assertRaisesRegex(ValueError, "boom"):
+        with parallel.fail_fast():
+          raise ValueError("boom")
+
+  def test_multi_process_error_ends_the_process(self):
+    with (
+      mock.patch.object(jax.distributed, "is_initialized", lambda: True),
+      mock.patch.object(os, "_exit") as exit_,
+    ):
+      with parallel.fail_fast():
+        raise ValueError("boom")  # printed, then os._exit(1)
+      exit_.assert_called_once_with(1)
+      with self.assertRaises(SystemExit):  # a clean exit is not a failure
+        with parallel.fail_fast():
+          raise SystemExit(0)
+      exit_.assert_called_once()
+
+
 class DataTest(parameterized.TestCase):
   @parameterized.named_parameters(
     ("rows", P("data", None)),

@@ -30,11 +30,8 @@ program is also timed and its collectives read from the compiled HLO
 
 import dataclasses
 import json
-import os
 import pathlib
-import sys
 import time
-import traceback
 
 import numpy as np
 from absl import app
@@ -375,28 +372,16 @@ def _write(out, stage, results, info):
 
 
 def main(argv):
-  """Runs the stages; on any error, ends this process at once.
-
-  A process that raises after ``jax.distributed.initialize`` would wait in
-  jax's atexit shutdown barrier for its peers (up to 300 s) while they wait
-  for it in a collective: print the error and ``os._exit(1)`` instead, so
-  the cluster sees the failure immediately.
-  """
-  try:
-    _main(argv)
-  except BaseException:  # noqa: BLE001 (reported, then the process ends)
-    traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
-
-
-def _main(argv):
-  del argv
-  tick = time.time()
   from jaxtopk import parallel
 
   initialized = parallel.maybe_initialize_distributed()  # the library's
+  with parallel.fail_fast():  # an error ends this process at once
+    _main(argv, initialized)
+
+
+def _main(argv, initialized):
+  del argv
+  tick = time.time()
   import jax
 
   FLAGS = flags.FLAGS
