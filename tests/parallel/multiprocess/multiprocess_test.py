@@ -39,7 +39,6 @@ BUILD_NOTES "Multi-host (issue 17)" has the measured wall time.
 
 import json
 import pathlib
-import shutil
 import sys
 import tempfile
 import time
@@ -123,36 +122,67 @@ def _kept_from_float64(s, valid, k_kept, err):
 
 
 class MultiProcessTest(absltest.TestCase):
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls.tmp = pathlib.Path(tempfile.mkdtemp(prefix="jaxtopk_mp_"))
-    tmp = cls.tmp
-    cls.r0, cls.a, cls.b, cls.c = (tmp / x for x in ("r0", "a", "b", "c"))
-    cls.chain = tmp / "chain"  # one training workdir for A, B and C
+  # One test method runs the four runs and then every check (as subtests):
+  # a class-level fixture shared by several methods could be set up twice
+  # when pytest-xdist sends the methods to different workers.
+  @pytest.mark.slow
+  def test_pod_runs(self):
+    self._run_all()
+    for check in (
+      self._check_every_process_saw_one_8_device_mesh,
+      self._check_every_process_returns_the_same_global_result,
+      self._check_multi_process_is_bitwise_the_one_process_gloo_run,
+      self._check_in_process_collectives_agree_within_tolerance,
+      self._check_prefill_certificates_sound_against_float64,
+      self._check_decode_certificates_sound_against_float64,
+      self._check_sigkill_left_a_restorable_checkpoint,
+      self._check_resumed_loss_curve_is_the_uninterrupted_one,
+    ):
+      with self.subTest(check=check.__name__[len("_check_") :]):
+        check()
+
+  @pytest.mark.slow
+  def test_a_dead_peer_fails_fast_and_is_named(self):
+    # Process 1 dies after start-up; process 0 waits for it in the first
+    # collective of the prefill until the cluster kills it.
+    tmp = self.enter_context(tempfile.TemporaryDirectory())
+    out = pathlib.Path(tmp, "crash")
+    t0 = time.monotonic()
+    with _launch(out, 2, 4, "--prefill", "--crash_process=1") as cluster:
+      with self.assertRaises(parallel.ClusterError) as ctx:
+        cluster.wait()
+    self.assertLess(time.monotonic() - t0, _TIMEOUT_S / 2)  # not the deadline
+    msg = str(ctx.exception)
+    self.assertIn("process 1 of 2 failed with exit status 1", msg)
+    self.assertIn("RuntimeError: injected failure in process 1", msg)
+    self.assertIn("--- process 0 (exit status -9)", msg)  # killed, reported
+    self.assertEqual(cluster.returncodes()[0], -9)
+
+  def _run_all(self):
+    self.tmp = pathlib.Path(
+      self.enter_context(tempfile.TemporaryDirectory(prefix="jaxtopk_mp_"))
+    )
+    tmp = self.tmp
+    self.r0, self.a, self.b, self.c = (tmp / x for x in ("r0", "a", "b", "c"))
+    self.chain = tmp / "chain"  # one training workdir for A, B and C
     both = ("--prefill", "--decode")
-    r0_train = f"--train_workdir={cls.r0 / 'train'}"
-    chain = f"--train_workdir={cls.chain}"
-    with _launch(cls.r0, 1, 8, *both, r0_train, distributed=True) as r0:
+    r0_train = f"--train_workdir={self.r0 / 'train'}"
+    chain = f"--train_workdir={self.chain}"
+    with _launch(self.r0, 1, 8, *both, r0_train, distributed=True) as r0:
       r0.wait()
-    with _launch(cls.a, 2, 4, *both, chain) as a:
+    with _launch(self.a, 2, 4, *both, chain) as a:
       a.wait_until(
-        lambda: any(s >= 2 for s in _finalized_steps(cls.chain)),
+        lambda: any(s >= 2 for s in _finalized_steps(self.chain)),
         what="A's first finalised Top-k checkpoint",
       )
-      cls.a_killed_running = a.kill(0)  # SIGKILL, mid-run
-      cls.a_steps_at_kill = _finalized_steps(cls.chain)
+      self.a_killed_running = a.kill(0)  # SIGKILL, mid-run
+      self.a_steps_at_kill = _finalized_steps(self.chain)
     # Leaving the block killed process 1 too (its peer is gone).
     stop = f"--train_stop_at={_STOP_B}"
-    with _launch(cls.b, 4, 2, "--decode", chain, stop) as b:
+    with _launch(self.b, 4, 2, "--decode", chain, stop) as b:
       b.wait()
-    with _launch(cls.c, 1, 8, "--decode", chain) as c:
+    with _launch(self.c, 1, 8, "--decode", chain) as c:
       c.wait()
-
-  @classmethod
-  def tearDownClass(cls):
-    shutil.rmtree(cls.tmp, ignore_errors=True)
-    super().tearDownClass()
 
   def _runs(self):
     """(name, out dir, processes, devices each, stages, gloo)."""
@@ -163,8 +193,7 @@ class MultiProcessTest(absltest.TestCase):
       ("C", self.c, 1, 8, ("decode", "train"), False),
     )
 
-  @pytest.mark.slow
-  def test_every_process_saw_one_8_device_mesh(self):
+  def _check_every_process_saw_one_8_device_mesh(self):
     for name, out, procs, local, stages, gloo in self._runs():
       for stage in stages:
         for i in range(procs):
@@ -176,8 +205,7 @@ class MultiProcessTest(absltest.TestCase):
             self.assertEqual(info["local_device_count"], local)
             self.assertEqual(info["initialized"], gloo)
 
-  @pytest.mark.slow
-  def test_every_process_returns_the_same_global_result(self):
+  def _check_every_process_returns_the_same_global_result(self):
     for name, out, procs, _, stages, _ in self._runs():
       for stage in stages:
         first = _load(out, stage)
@@ -188,8 +216,7 @@ class MultiProcessTest(absltest.TestCase):
             with self.subTest(run=name, process=i, key=key):
               np.testing.assert_array_equal(other[key], value)
 
-  @pytest.mark.slow
-  def test_multi_process_is_bitwise_the_one_process_gloo_run(self):
+  def _check_multi_process_is_bitwise_the_one_process_gloo_run(self):
     for name, out, stage in (
       ("A", self.a, "prefill"),
       ("A", self.a, "decode"),
@@ -201,8 +228,7 @@ class MultiProcessTest(absltest.TestCase):
         with self.subTest(run=name, key=key):
           np.testing.assert_array_equal(got[key], ref[key])
 
-  @pytest.mark.slow
-  def test_in_process_collectives_agree_within_tolerance(self):
+  def _check_in_process_collectives_agree_within_tolerance(self):
     ref, got = _load(self.r0, "decode"), _load(self.c, "decode")
     for key in ref:
       with self.subTest(key=key):
@@ -211,8 +237,7 @@ class MultiProcessTest(absltest.TestCase):
         else:  # the all-reduce sums in another order: a few ulps
           np.testing.assert_allclose(got[key], ref[key], **tol(np.float32))
 
-  @pytest.mark.slow
-  def test_prefill_certificates_sound_against_float64(self):
+  def _check_prefill_certificates_sound_against_float64(self):
     got = _load(self.a, "prefill")  # = R0's (bitwise, tested)
     for seed, case in enumerate(worker.prefill_cases()):
       name, _, _, kv_heads, masked, causal = case
@@ -229,8 +254,7 @@ class MultiProcessTest(absltest.TestCase):
       with self.subTest(case=name):
         self._check_sound(got, name, qh, kh, vh, valid, t_axis=1)
 
-  @pytest.mark.slow
-  def test_decode_certificates_sound_against_float64(self):
+  def _check_decode_certificates_sound_against_float64(self):
     for out in (self.a, self.c):  # gloo (= R0, B) and in-process
       got = _load(out, "decode")
       for seed, (name, _, _) in enumerate(worker.decode_cases()):
@@ -273,24 +297,7 @@ class MultiProcessTest(absltest.TestCase):
     out = np.moveaxis(got[f"{name}/out"], t_axis, 2)  # [b, h, t, e]
     np.testing.assert_allclose(out[real], mu_head[real], **tol(np.float32))
 
-  @pytest.mark.slow
-  def test_a_dead_peer_fails_fast_and_is_named(self):
-    # Process 1 dies after start-up; process 0 waits for it in the first
-    # collective of the prefill until the cluster kills it.
-    out = self.tmp / "crash"
-    t0 = time.monotonic()
-    with _launch(out, 2, 4, "--prefill", "--crash_process=1") as cluster:
-      with self.assertRaises(parallel.ClusterError) as ctx:
-        cluster.wait()
-    self.assertLess(time.monotonic() - t0, _TIMEOUT_S / 2)  # not the deadline
-    msg = str(ctx.exception)
-    self.assertIn("process 1 of 2 failed with exit status 1", msg)
-    self.assertIn("RuntimeError: injected failure in process 1", msg)
-    self.assertIn("--- process 0 (exit status -9)", msg)  # killed, reported
-    self.assertEqual(cluster.returncodes()[0], -9)
-
-  @pytest.mark.slow
-  def test_sigkill_left_a_restorable_checkpoint(self):
+  def _check_sigkill_left_a_restorable_checkpoint(self):
     self.assertTrue(self.a_killed_running, "A ended before it was killed")
     latest = max(self.a_steps_at_kill)
     self.assertGreaterEqual(latest, 2)
@@ -299,8 +306,7 @@ class MultiProcessTest(absltest.TestCase):
     self.assertEqual(int(_load(self.b, "train")["train_start_step"]), latest)
     self.assertEqual(int(_load(self.c, "train")["train_start_step"]), _STOP_B)
 
-  @pytest.mark.slow
-  def test_resumed_loss_curve_is_the_uninterrupted_one(self):
+  def _check_resumed_loss_curve_is_the_uninterrupted_one(self):
     ref = _train_rows(self.r0 / "train")
     got = _train_rows(self.chain)  # A, then B (2 -> 4), then C (4 -> 1)
     steps = [("base", 1)]
