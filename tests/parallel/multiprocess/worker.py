@@ -39,8 +39,8 @@ from absl import flags
 
 # Problem sizes: every dimension a different size. N and MAX_LEN divide by
 # the 8 kv shards.
-B, T, H, D, E, N = 2, 3, 4, 5, 7, 56  # prefill
-DB, DHK, DG, DD, MAX_LEN, FILLED = 2, 2, 3, 5, 96, 59  # decode (+2 appended)
+B, T, H, D, E, N = 3, 6, 4, 5, 7, 56  # prefill (GQA case: 2 kv heads)
+DB, DHK, DG, DD, MAX_LEN, FILLED = 2, 4, 3, 5, 96, 59  # decode (+2 appended)
 TRAIN_MESH = {"data": 4, "heads": 2}
 TRAIN_STEPS = 4  # Top-k fine-tune steps (after 1 dense base step)
 CHECKPOINT_EVERY = 2
