@@ -4,8 +4,9 @@
 each with ``devices_per_process`` CPU devices, wired for
 ``maybe_initialize_distributed`` (``JAXTOPK_COORDINATOR_ADDRESS`` with a
 free port, ``JAXTOPK_NUM_PROCESSES``, ``JAXTOPK_PROCESS_ID``,
-``JAXTOPK_CPU_COLLECTIVES=gloo``, ``JAX_NUM_CPU_DEVICES``), so 2 processes
-x 4 devices form one 8-device global mesh over JAX's gloo CPU collectives.
+``JAXTOPK_CPU_COLLECTIVES=gloo``, ``JAX_NUM_CPU_DEVICES``, and
+``JAX_PLATFORMS=cpu``), so 2 processes x 4 devices form one 8-device global
+mesh over JAX's gloo CPU collectives.
 It is how the library's multi-host path is tested without a pod, and how a
 user tries a pod program on a laptop.
 
@@ -284,8 +285,12 @@ class LocalCluster:
   # ------------------------------------------------------------ inspection
 
   def output(self, process_id: int) -> str:
-    """Everything process ``process_id`` printed so far."""
-    self._logs[process_id].flush()
+    """Everything process ``process_id`` printed so far.
+
+    Readable until ``close`` removes a default (temporary) ``log_dir``.
+    """
+    if not self._logs[process_id].closed:
+      self._logs[process_id].flush()
     path = os.path.join(self.log_dir, f"process_{process_id}.log")
     with open(path, "rb") as f:
       return f.read().decode("utf-8", errors="replace")
