@@ -178,7 +178,7 @@ class Workdir:
           " a new --workdir (or delete it) instead of mixing two runs"
         )
       self.resumed = True
-    else:
+    elif jax.process_index() == 0:  # multi-host: process 0 writes
       prepare_workdir(self.path, overwrite=overwrite)
       write_config(self.path, config)
     self.metrics = MetricWriter(self.path)
@@ -240,10 +240,16 @@ def _to_jsonable(x: Any) -> Any:
 
 
 def write_config(workdir: pathlib.Path, config: ml_collections.ConfigDict):
-  """Writes ``config.json`` (the config the run used)."""
-  with open(workdir / "config.json", "w") as f:
+  """Writes ``config.json`` (the config the run used), atomically.
+
+  Atomic (write then rename) because the other processes of a multi-host run
+  may read it meanwhile.
+  """
+  tmp = workdir / "config.json.tmp"
+  with open(tmp, "w") as f:
     json.dump(_to_jsonable(config.to_dict()), f, indent=2, sort_keys=True)
     f.write("\n")
+  os.replace(tmp, workdir / "config.json")
 
 
 class MetricWriter:
@@ -255,12 +261,16 @@ class MetricWriter:
 
   def __init__(self, workdir: pathlib.Path):
     self.path = workdir / "metrics.jsonl"
-    self.path.touch()
+    # Multi-host: only process 0 writes (the others return the records).
+    self.writes = jax.process_index() == 0
+    if self.writes:
+      self.path.touch()
 
   def write(self, kind: str, **values) -> dict:
     record = {"kind": kind, **_to_jsonable(values)}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(record) + "\n")
+    if self.writes:
+      with open(self.path, "a") as f:
+        f.write(json.dumps(record) + "\n")
     return record
 
 

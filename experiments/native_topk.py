@@ -28,6 +28,18 @@ refused.
 
   python -m experiments.native_topk \
     --config=experiments/configs/native_topk.py --workdir=/tmp/native_topk
+
+Multi-host (README "Pods"): every process runs the same command (plus
+``--coordinator_address/--num_processes/--process_id`` off TPU, see
+``jaxtopk.parallel.maybe_initialize_distributed``); training is data
+parallel over ``--mesh`` (default all devices on ``data``; parameters and
+optimizer state by ``parallel``'s rules, attention heads over ``heads``),
+each process handing over only its rows of every batch; checkpoints are
+saved by all processes together (orbax) and restore into any process
+count; the stop decision on a signal is agreed by all processes; every
+process evaluates the trained weights (small models: no collectives), and
+only process 0 writes config.json, metrics.jsonl, results.md and figures.
+The workdir must be one shared filesystem for all processes.
 """
 
 import json
@@ -52,6 +64,7 @@ import jaxtopk
 from experiments import _common
 from experiments import _selectors
 from jaxtopk import models
+from jaxtopk import parallel
 from jaxtopk import tasks
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -61,6 +74,9 @@ _CONFIG = config_flags.DEFINE_config_file(
   lock_config=True,
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+# Empty: no mesh on one process; all devices on `data` on several.
+_MESH = parallel.define_mesh_flag()
+_INIT_DISTRIBUTED = parallel.define_distributed_flags()
 
 PHASES = ("base", "dense", "topk")
 TASKS = ("recall", "lookup", "aggregate", "needle")
@@ -138,7 +154,10 @@ def train_batch(config, phase: str, step: int):
 
 
 class Metrics:
-  """Append-only metrics.jsonl that drops lines a resumed run will redo."""
+  """Append-only metrics.jsonl that drops lines a resumed run will redo.
+
+  Multi-host: only process 0 writes the file.
+  """
 
   def __init__(self, path):
     self.path = path
@@ -152,6 +171,8 @@ class Metrics:
     self._rewrite()
 
   def _rewrite(self):
+    if not parallel.is_main_process():
+      return
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:
       for row in self.rows:
@@ -160,6 +181,8 @@ class Metrics:
 
   def write(self, **row):
     self.rows.append(row)
+    if not parallel.is_main_process():
+      return
     with open(self.path, "a") as f:
       f.write(json.dumps(row) + "\n")
 
@@ -192,8 +215,10 @@ def _optimizer(model, config, phase):
 
 
 def _flat(tree):
+  # Arrays stay jax.Arrays: orbax saves a global array from every process
+  # (each writes its shards) and restores into a template's sharding.
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
+  return {jax.tree_util.keystr(p): x for p, x in leaves}
 
 
 def _unflat(template, flat):
@@ -262,13 +287,27 @@ def _train_step(model, optimizer, inputs, targets, weights, attention):
   return loss, acc
 
 
-def train_phase(config, workdir, phase, metrics, should_stop):
-  """Runs (or resumes) one training phase; returns (model, finished)."""
+def _shard(module, mesh):
+  """Places all of ``module``'s state on ``mesh`` by parallel's rules."""
+  state = nnx.state(module)
+  shardings = parallel.param_shardings(state, mesh)
+  nnx.update(module, parallel.put_global(state, shardings))
+
+
+def train_phase(config, workdir, phase, metrics, should_stop, mesh=None):
+  """Runs (or resumes) one training phase; returns (model, finished).
+
+  With a ``mesh``, training is data parallel over its ``data`` axis (and
+  attention heads over ``heads``), across processes when multi-host.
+  """
   t = config.train
   steps = t.base_steps if phase == "base" else t.finetune_steps
   attention = jaxtopk.Ratio(t.train_rho) if phase == "topk" else None
   model = _model(config, config.seed)
   optimizer = _optimizer(model, config, phase)
+  if mesh is not None:
+    _shard(model, mesh)
+    _shard(optimizer, mesh)
   manager = _manager(workdir, phase)
   start = manager.latest_step()
   if start is not None:
@@ -286,7 +325,11 @@ def train_phase(config, workdir, phase, metrics, should_stop):
   )
   tick = time.time()
   for step in range(start, steps):
-    batch = [jnp.asarray(a) for a in train_batch(config, phase, step)]
+    batch = train_batch(config, phase, step)
+    if mesh is None:
+      batch = [jnp.asarray(a) for a in batch]
+    else:  # each process hands over only its rows
+      batch = [parallel.global_batch(a, mesh) for a in batch]
     loss, acc = _train_step(model, optimizer, *batch, attention)
     done = step + 1
     if done % t.log_every == 0 or done == steps or done == 1:
@@ -309,7 +352,7 @@ def train_phase(config, workdir, phase, metrics, should_stop):
         secs,
         secs * (steps - done),
       )
-    stop = should_stop()
+    stop = parallel.any_process(should_stop())  # one decision for all
     if done % t.checkpoint_every == 0 or done == steps or stop:
       _save(manager, done, model, optimizer)
     if stop and done < steps:
@@ -497,27 +540,44 @@ def evaluate(config, trained_models, metrics):
 
 
 def _check_workdir(config, workdir):
-  """Resumes a workdir of the same config, refuses another; else starts."""
+  """Resumes a workdir of the same config, refuses another; else starts.
+
+  Only process 0 of a multi-host run writes (``_common.Workdir``).
+  """
   return _common.Workdir(workdir, config, resumable=True)
 
 
-def run(config, workdir, should_stop=lambda: False):
-  """Trains, evaluates and reports; returns False if stopped early."""
+def _host_local(model):
+  """``model`` with its (global, sharded) weights copied to this host."""
+  state = parallel.fetch(nnx.state(model))  # numpy, on every process
+  nnx.update(model, jax.tree.map(jnp.asarray, state))
+  return model
+
+
+def run(config, workdir, should_stop=lambda: False, mesh=None):
+  """Trains, evaluates and reports; returns False if stopped early.
+
+  ``mesh``: train data parallel on it (see ``train_phase``); evaluation
+  then runs on host-local copies of the weights on every process.
+  """
   _check_workdir(config, workdir)
   metrics = Metrics(os.path.join(workdir, "metrics.jsonl"))
   trained = {}
   for phase in PHASES:
-    model, finished = train_phase(config, workdir, phase, metrics, should_stop)
+    model, finished = train_phase(
+      config, workdir, phase, metrics, should_stop, mesh
+    )
     if not finished:
       return False
     if phase != "base":
-      trained[phase] = model
+      trained[phase] = model if mesh is None else _host_local(model)
   tick = time.time()
   evaluate(config, trained, metrics)
   logging.info("evaluation took %.0f s", time.time() - tick)
-  from experiments import _native_topk_report as report  # needs matplotlib
+  if parallel.is_main_process():
+    from experiments import _native_topk_report as report  # matplotlib
 
-  report.write_report(config, workdir, metrics.rows)
+    report.write_report(config, workdir, metrics.rows)
   return True
 
 
@@ -530,10 +590,21 @@ def main(argv):
     logging.warning("signal %d: stopping after the current step", signum)
     stop.set()
 
+  _INIT_DISTRIBUTED()  # multi-host start-up (no-op on one process)
+  mesh = None
+  if _MESH.value or jax.process_count() > 1:
+    mesh = parallel.mesh_from_flag(_MESH.value)
+    logging.info(
+      "process %d of %d, mesh %s",
+      jax.process_index(),
+      jax.process_count(),
+      dict(mesh.shape),
+    )
   signal.signal(signal.SIGTERM, handler)
   signal.signal(signal.SIGINT, handler)
   tick = time.time()
-  finished = run(_CONFIG.value, _WORKDIR.value, stop.is_set)
+  with parallel.fail_fast():  # multi-host: a failed process ends at once
+    finished = run(_CONFIG.value, _WORKDIR.value, stop.is_set, mesh)
   logging.info(
     "%s in %.0f s", "finished" if finished else "stopped", time.time() - tick
   )
