@@ -103,6 +103,16 @@ def _log_tiny_inv(dtype) -> float:
   return -math.log(float(jnp.finfo(dtype).tiny))
 
 
+def _opaque(x):
+  """``x`` hidden from XLA's algebraic simplifier.
+
+  XLA reassociates products with constant factors ((c1 * x) * c2 -> x *
+  (c1 c2)) and folds c1 c2 at compile time; with c2 ~ tiny that product
+  underflows to 0 and a positive bound reads 0. A barrier keeps the order.
+  """
+  return jax.lax.optimization_barrier(x)
+
+
 def _uint(dtype):
   return jnp.dtype(f"uint{jnp.finfo(dtype).bits}")
 
@@ -130,17 +140,20 @@ def flushed(x, axis=-1) -> jax.Array:
   Returns:
     ``[...]`` bool (``x``'s shape without ``axis``).
   """
+  return jnp.any(_subnormal(x), axis=axis)
+
+
+def _subnormal(x) -> jax.Array:
+  """Elementwise: a nonzero subnormal of ``x``'s dtype, read as 0 on CPU."""
   x = jnp.asarray(x)
   fi = jnp.finfo(x.dtype)
   if fi.minexp > jnp.finfo(compute_dtype(x.dtype)).minexp:
-    ax = axis % x.ndim
-    return jnp.zeros(tuple(n for i, n in enumerate(x.shape) if i != ax), bool)
+    return jnp.zeros(x.shape, bool)  # float16: normal in the compute dtype
   ut = _uint(x.dtype)
   bits = jax.lax.bitcast_convert_type(x, ut)
   mant = jnp.asarray((1 << fi.nmant) - 1, ut)
   expo = jnp.asarray(((1 << fi.nexp) - 1) << fi.nmant, ut)
-  sub = ((bits & expo) == 0) & ((bits & mant) != 0)
-  return jnp.any(sub, axis=axis)
+  return ((bits & expo) == 0) & ((bits & mant) != 0)
 
 
 def norms_up(x, axis=-1) -> jax.Array:
@@ -299,7 +312,9 @@ def logit_error_bound(
   if abs_dot is not None:
     a = jnp.minimum(a, jnp.asarray(abs_dot, dt))
   flush = jnp.where(q_flushed, k_norm, 0.0) + jnp.where(k_flushed, q_norm, 0.0)
-  flush = flush * (jnp.sqrt(jnp.asarray(d, dt)) * tiny)
+  # Through a barrier: XLA reassociates constant factors, and scale *
+  # sqrt(d) tiny folded at compile time underflows to 0 (scale 1e-20).
+  flush = flush * _opaque(jnp.sqrt(jnp.asarray(d, dt)) * tiny)
   sa = scale * a
   delta = sa * ((d + 4) * eps) + scale * flush
   delta = delta + (2 * d + 16) * tiny * jnp.maximum(scale, 1.0)
@@ -365,7 +380,9 @@ def output_error_bound(tv_bound, head_norm, tail_norm) -> jax.Array:
   dt = tv.dtype
   h = jnp.asarray(head_norm, dt)
   t = jnp.asarray(tail_norm, dt)
-  eps = _eps(dt)
+  eps, tiny = _eps(dt), _tiny(dt)
+  # Inputs below the smallest normal would read 0: raise them to it.
+  tv, h, t = (jnp.where(_subnormal(x), tiny, x) for x in (tv, h, t))
   th = up_positive(tv * h, (tv > 0) & (h > 0))
   tt = up_positive(tv * t, (tv > 0) & (t > 0))
   b = (th + tt) * (1 + 8 * eps)
@@ -740,7 +757,9 @@ class Partial:
     gap = self.tail_m - m  # the tail relative to the head's maximum
     log_tail = gap + jnp.log(self.tail_sum)
     log_head = jnp.log(jnp.where(self.denom > 0, self.denom, 1.0))
-    err = 2 * self.err + jnp.where(jnp.isfinite(gap), jnp.abs(gap), 0.0)
+    # fl(tail_m - m) is off by eps/2 |gap| <= eps/2 (|x| + |log denom| +
+    # |log tail_sum|): finish_log_bound's |x| term covers the first part.
+    err = 2 * self.err + 2 * jnp.log1p(jnp.asarray(n_terms, dt))
     log_tv = tail_sumog_bound(
       log_head,
       log_tail,
