@@ -1,10 +1,11 @@
 """``certified_search``: certified selection from queries and keys.
 
 THEORY 6.1-6.3. Unlike ``select`` (which is handed every logit), this entry
-point sees the queries and keys, so 'delta' and 'mc' searches can bound
-blocks of keys from cheap summaries (box and ball, THEORY 3.3) and score only
-the blocks they need. 'exact' scores every key and runs the threshold search.
-The certificate accounts for the float rounding of the logits it computed.
+point sees the queries and keys, so Delta- and MC-Search can bound blocks of
+keys from cheap summaries (box and ball, THEORY 3.3) and score only the
+blocks they need. ``Exact`` scores every key and runs the threshold search.
+The certificate (``core``) accounts for the float rounding of the logits it
+computed, subnormal inputs included.
 """
 
 import functools
@@ -174,6 +175,13 @@ def certified_search(
   scored in decreasing order of that bound, and ``keys_scored`` also counts
   the projected products as ceil(n_real r / head_dim) key-equivalents.
 
+  Every field of the policy is honoured: the search strategy and its fields,
+  ``bound``, and ``max_topk`` (a row whose certified set is larger keeps the
+  ``max_topk`` largest scored logits and reports its true, larger bound).
+  The certificate covers the rounding of the logits computed here,
+  subnormal inputs included (``core.logit_error_bound``); block bounds are
+  widened by the same amount, so they bound the exact logits.
+
   Args:
     query: ``[..., head_dim]`` one query per row.
     keys: ``[..., n_keys, head_dim]`` with the same leading axes.
@@ -190,12 +198,16 @@ def certified_search(
 
   Returns:
     A Selection with ``keep`` ``[..., n_keys]`` and a Certificate ``[...]``;
-    tv_bound <= eps on every valid row (for 'mc' with probability at least
-    ``1 - policy.delta``, recorded in ``failure_prob``).
+    tv_bound <= eps on every valid row unless ``max_topk`` caps it or the
+    logit rounding is unbounded (for 'mc' with probability at least
+    ``1 - policy.delta``, recorded in ``failure_prob``). With no keys
+    (n_keys = 0) every row is invalid.
 
   Raises:
-    TypeError: if ``policy`` is not ``Certified``.
-    ValueError: on mismatched shapes, bad scale, or 'mc' without ``key``.
+    TypeError: if ``policy`` is not ``Certified``, or an input is not real
+      floating, a mask not boolean, a scale not a number.
+    ValueError: on mismatched shapes, a scale not finite and > 0, or 'mc'
+      without ``key``.
   """
   if not isinstance(policy, _policies.Certified):
     raise TypeError(f"certified_search needs a Certified policy; got {policy=}")
