@@ -140,12 +140,12 @@ def analyse(rows: _data.Rows, config, block_size, source, writer, key):
       )
     )  # [G, q]
     for search in config.searches:
+      mc = dict(delta=config.delta, num_samples=config.num_samples)
       policy = jaxtopk.Certified(
         eps,
         search=search,
         block_size=block_size,
-        delta=config.delta,
-        num_samples=config.num_samples,
+        **(mc if search == "mc" else {}),
       )
       res, key = search_rows(rows, policy, key)
       v = res["valid"][qm]
