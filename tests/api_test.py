@@ -82,14 +82,7 @@ KNOWN_PRIVATE_IMPORTS = {
     "jaxtopk.selection._select",
     "jaxtopk.theory._tail",
   },
-  "selection/_certified.py": {"jaxtopk.theory._tail"},
-  "selection/_certify.py": {"jaxtopk.theory._tail"},
-  "selection/_lowrank.py": {"jaxtopk.theory._tail"},
-  "selection/_search.py": {
-    "jaxtopk.theory._blockwise",
-    "jaxtopk.theory._tail",
-  },
-  "selection/_select.py": {"jaxtopk.theory._tail"},
+  "selection/_search.py": {"jaxtopk.theory._blockwise"},
 }
 
 

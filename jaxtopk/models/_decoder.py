@@ -123,7 +123,7 @@ class PolicyAttention:
   def decode(self, query, cache, *, rng=None):
     """``jaxtopk.decode_attention`` over ``cache``; see DecoderAttention."""
     needs_key = (
-      isinstance(self.policy, Certified) and self.policy.search == "mc"
+      isinstance(self.policy, Certified) and self.policy.search.needs_rng
     )
     if needs_key and rng is None:
       raise ValueError(f"{self.policy} decodes with MC-Search: pass rng=")
@@ -243,7 +243,7 @@ def _block_size(attention, max_len: int, block_size: int | None) -> int:
   if block_size is not None:
     return block_size
   policy = getattr(attention, "policy", None)
-  if isinstance(policy, Certified) and policy.search != "exact":
+  if isinstance(policy, Certified) and not policy.search.scores_all:
     return policy.block_size  # Delta-/MC-Search read the cache's blocks
   return min(DEFAULT_BLOCK_SIZE, max_len)
 

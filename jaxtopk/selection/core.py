@@ -72,12 +72,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxtopk.selection._certificate import Certificate
-from jaxtopk.theory import _rows
+from jaxtopk.theory import internal as _theory
 
-compute_dtype = _rows.compute_dtype
-log_slack = _rows.log_slack
-exp_up = _rows.exp_up
-up_positive = _rows.up_positive
+compute_dtype = _theory.compute_dtype
+log_slack = _theory.log_slack
+exp_up = _theory.exp_up
+up_positive = _theory.up_positive
 
 # Rounding of one leaf sum term e^{s_i - m}, in units of eps: the subtraction
 # is off by eps/2 |s_i - m| and terms with s_i - m below log(tiny) are 0 (or
@@ -335,7 +335,7 @@ def logit_error_bound(
 def tail_log_bound(log_head, log_tail, *, err, n_terms, logit_error, ok):
   """log of an upper bound on tau = Z_T / (Z_H + Z_T), rounded up.
 
-  THEORY 2.4/2.5 and 3.4: ``_rows.finish_log_bound`` (the one rounded-up
+  THEORY 2.4/2.5 and 3.4: ``_theory.finish_log_bound`` (the one rounded-up
   U / (Z_H + U) formula) plus 2 delta for logits off by at most delta (tail
   up by e^delta, head down by e^-delta). A +inf (or NaN) delta gives the
   trivial bound 0 (tau <= 1) even where nothing was dropped, because a key
@@ -356,7 +356,7 @@ def tail_log_bound(log_head, log_tail, *, err, n_terms, logit_error, ok):
   log_head = jnp.asarray(log_head)
   dt = log_head.dtype
   delta = jnp.asarray(logit_error, dt)
-  b = _rows.finish_log_bound(log_tail, log_head, err, n_terms, ok)
+  b = _theory.finish_log_bound(log_tail, log_head, err, n_terms, ok)
   b = jnp.minimum(b + 2 * delta, 0.0)
   trivial = ~(delta < jnp.inf)  # +inf or NaN
   return jnp.where(ok, jnp.where(trivial, 0.0, b), jnp.nan)
