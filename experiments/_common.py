@@ -1,31 +1,35 @@
-"""Shared plumbing for the experiment binaries (big_vision style).
+"""Shared machinery of the experiment binaries (big_vision style).
 
-Every binary under experiments/ is an absl app with two entry points:
+The convention every binary under experiments/ follows (experiments/README.md
+states it for new ones):
 
-- ``run(config, workdir, *, overwrite=False)``: flag-free, does the work and
-  returns a small summary dict. Tests call it in-process with the ``smoke``
-  config.
-- ``main(argv)``: reads ``--config``, ``--workdir`` and ``--overwrite`` (set
-  up by ``define_flags`` below, only when the module is run as a script so
-  several binaries can be imported in one process) and calls ``run``.
-
-A run writes into its workdir:
-
-- ``config.json``: the config it ran with;
+- an absl app: ``app.run(main)``; flags ``--config`` (a
+  ``config_flags.DEFINE_config_file`` pointing at
+  ``experiments/configs/<name>.py``, whose ``get_config(arg)`` has a
+  ``smoke`` variant that runs in seconds), a required ``--workdir`` and
+  ``--overwrite``; :func:`app_main` defines them and calls the binary's
+  ``run``;
+- ``run(config, workdir, *, overwrite=False)``: flag-free, does the work
+  and returns a small summary; tests call it in-process with the smoke
+  config;
+- a run opens its directory through :class:`Workdir`, which writes
+  ``config.json`` and refuses a directory that already holds a run
+  (``--overwrite`` replaces it), or, for a resumable binary, resumes a run
+  of the same config and refuses a different one: two runs are never mixed;
 - ``metrics.jsonl``: one JSON object per line, each with a ``"kind"`` field
-  naming the table it belongs to;
-- ``*.png``: figures (matplotlib, Agg backend, no display needed);
-- ``summary.txt``: the table printed at the end.
-
-A rerun into a workdir that already holds outputs refuses unless
-``--overwrite`` is given (then only the files a run writes are removed), so
-two runs are never silently mixed.
+  naming its table; ``*.png`` figures (Agg backend); ``summary.txt`` the
+  printed table; benchmarks also write ``results.json`` with
+  :func:`machine_info` (machine, jax, load average before and after);
+- long loops log progress with :class:`Progress`.
 """
 
 import json
 import math
+import os
 import pathlib
+import platform
 import statistics
+import sys
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence
@@ -34,17 +38,34 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
 # Files a run writes; --overwrite removes exactly these (and *.png).
-OUTPUT_FILES = ("config.json", "metrics.jsonl", "summary.txt")
+OUTPUT_FILES = ("config.json", "metrics.jsonl", "summary.txt", "results.json")
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 
 
 class WorkdirNotEmptyError(FileExistsError):
   """Raised when a workdir already holds a run's outputs."""
+
+
+def machine_info() -> dict:
+  """Where and how a figure was measured: machine, jax, devices, load."""
+  return dict(
+    machine=platform.machine(),
+    processor=platform.processor(),
+    platform=platform.platform(),
+    cpu_count=os.cpu_count(),
+    python=platform.python_version(),
+    jax=jax.__version__,
+    backend=jax.default_backend(),
+    devices=[str(d) for d in jax.devices()],
+    load_average_1_5_15=list(os.getloadavg()),
+    command=" ".join(["python -m", *sys.argv]) if sys.argv else "",
+  )
 
 
 def define_flags(name: str, *, default_workdir: str | None = None):
@@ -114,6 +135,90 @@ def prepare_workdir(workdir, *, overwrite: bool) -> pathlib.Path:
   return path
 
 
+class Workdir:
+  """One run's directory; opening it starts, resumes or refuses a run.
+
+  Attributes:
+    path: the directory (``pathlib.Path``).
+    resumed: True when an earlier run of the same config is being resumed.
+    metrics: the run's :class:`MetricWriter` (``metrics.jsonl``).
+
+  Args:
+    path: the directory; created if missing.
+    config: the run's config (``ml_collections.ConfigDict``); written to
+      ``config.json``.
+    overwrite: remove an earlier run's outputs (``OUTPUT_FILES``, ``*.png``)
+      instead of refusing.
+    resumable: a binary that can continue an interrupted run: a directory
+      holding the SAME config is resumed (outputs kept), a different config
+      is refused.
+
+  Raises:
+    WorkdirNotEmptyError: the directory holds a run that may not be reused.
+  """
+
+  def __init__(
+    self,
+    path,
+    config: ml_collections.ConfigDict,
+    *,
+    overwrite: bool = False,
+    resumable: bool = False,
+  ):
+    self.path = pathlib.Path(path)
+    self.path.mkdir(parents=True, exist_ok=True)
+    current = _to_jsonable(config.to_dict())
+    saved_path = self.path / "config.json"
+    saved = json.loads(saved_path.read_text()) if saved_path.exists() else None
+    self.resumed = False
+    if resumable and saved is not None and not overwrite:
+      if saved != current:
+        raise WorkdirNotEmptyError(
+          f"{str(self.path)!r} holds a run with a different config.json; use"
+          " a new --workdir (or delete it) instead of mixing two runs"
+        )
+      self.resumed = True
+    elif jax.process_index() == 0:  # multi-host: process 0 writes
+      prepare_workdir(self.path, overwrite=overwrite)
+      write_config(self.path, config)
+    self.metrics = MetricWriter(self.path)
+
+  def write_json(self, name: str, obj: Any) -> pathlib.Path:
+    """Writes ``<workdir>/<name>`` as indented JSON; returns its path."""
+    path = self.path / name
+    path.write_text(json.dumps(_to_jsonable(obj), indent=1) + "\n")
+    return path
+
+  def save_figure(self, fig, name: str) -> pathlib.Path:
+    """Saves ``fig`` as ``<workdir>/<name>.png`` and closes it."""
+    return save_figure(fig, self.path, name)
+
+  def write_summary(self, text: str) -> None:
+    """Writes ``summary.txt`` and prints it."""
+    write_summary(self.path, text)
+
+
+def app_main(name: str, run, *, default_workdir: str | None = None) -> None:
+  """The ``__main__`` of a binary: defines the common flags, runs ``run``.
+
+  Args:
+    name: the binary's name (its config is experiments/configs/<name>.py).
+    run: ``run(config, workdir, *, overwrite)``.
+    default_workdir: only for the main job (k_eps_scaling); None makes
+      ``--workdir`` required.
+  """
+  config, workdir, overwrite = define_flags(
+    name, default_workdir=default_workdir
+  )
+
+  def main(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    run(config.value, workdir.value, overwrite=overwrite.value)
+
+  app.run(main)
+
+
 def _to_jsonable(x: Any) -> Any:
   """Numpy/jax scalars and arrays to plain Python; NaN/inf kept as floats."""
   if isinstance(x, dict):
@@ -135,10 +240,16 @@ def _to_jsonable(x: Any) -> Any:
 
 
 def write_config(workdir: pathlib.Path, config: ml_collections.ConfigDict):
-  """Writes ``config.json`` (the config the run used)."""
-  with open(workdir / "config.json", "w") as f:
+  """Writes ``config.json`` (the config the run used), atomically.
+
+  Atomic (write then rename) because the other processes of a multi-host run
+  may read it meanwhile.
+  """
+  tmp = workdir / "config.json.tmp"
+  with open(tmp, "w") as f:
     json.dump(_to_jsonable(config.to_dict()), f, indent=2, sort_keys=True)
     f.write("\n")
+  os.replace(tmp, workdir / "config.json")
 
 
 class MetricWriter:
@@ -150,12 +261,16 @@ class MetricWriter:
 
   def __init__(self, workdir: pathlib.Path):
     self.path = workdir / "metrics.jsonl"
-    self.path.touch()
+    # Multi-host: only process 0 writes (the others return the records).
+    self.writes = jax.process_index() == 0
+    if self.writes:
+      self.path.touch()
 
   def write(self, kind: str, **values) -> dict:
     record = {"kind": kind, **_to_jsonable(values)}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(record) + "\n")
+    if self.writes:
+      with open(self.path, "a") as f:
+        f.write(json.dumps(record) + "\n")
     return record
 
 
@@ -231,6 +346,38 @@ def save_figure(fig, workdir: pathlib.Path, name: str, dpi: int = 80):
   fig.savefig(path, dpi=dpi)
   plt.close(fig)
   return path
+
+
+def bar_figure(
+  workdir: pathlib.Path,
+  name: str,
+  groups: dict,
+  *,
+  ylabel: str,
+  title: str,
+  log: bool = False,
+) -> pathlib.Path:
+  """Grouped bar chart ``groups[group][bar] = value`` saved as ``name.png``.
+
+  The figure of a benchmark: one group per size, one bar per variant.
+  """
+  fig, axes = new_figure(size=(6.0, 3.6))
+  ax = axes[0][0]
+  bars = sorted({b for g in groups.values() for b in g})
+  width = 0.8 / max(len(bars), 1)
+  for i, bar in enumerate(bars):
+    xs = [j + i * width for j in range(len(groups))]
+    ys = [groups[g].get(bar, np.nan) for g in groups]
+    ax.bar(xs, ys, width, label=bar)
+  ax.set_xticks(
+    [j + 0.4 - width / 2 for j in range(len(groups))], [str(g) for g in groups]
+  )
+  if log:
+    ax.set_yscale("log")
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=7)
+  return save_figure(fig, workdir, name)
 
 
 def _fmt(v: Any) -> str:

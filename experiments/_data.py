@@ -2,7 +2,7 @@
 
 Synthetic rows come from queries and keys (so the blockwise bounds of
 THEORY 3.3 have key blocks to summarise) or straight from logits. Real rows
-come from all-MiniLM-L6-v2 (jaxtopk.nn, real weights) run on real text.
+come from all-MiniLM-L6-v2 (jaxtopk.models, real weights) run on real text.
 """
 
 import dataclasses
@@ -119,16 +119,17 @@ def logits64(rows: Rows) -> np.ndarray:
 
 @functools.cache
 def minilm_arrays(num_passages: int, max_len: int) -> dict:
-  """``jaxtopk.nn.minilm_attention_rows`` on real text passages (cached).
+  """``_attention_rows.minilm_attention_rows`` on real text passages (cached).
 
   Passages are ``max_len`` words of the Debian licence texts
-  (``jaxtopk.nn.real_text_passages``, seed 0), so every one fills the
+  (``_real_text.real_text_passages``, seed 0), so every one fills the
   ``max_len`` tokens after WordPiece (at least one token per word).
   """
-  from jaxtopk import nn as jnn
+  from experiments import _attention_rows
+  from experiments import _real_text
 
-  texts = jnn.real_text_passages(num_passages, max_words=max_len)
-  return jnn.minilm_attention_rows(texts, max_len)
+  texts = _real_text.real_text_passages(num_passages, max_words=max_len)
+  return _attention_rows.minilm_attention_rows(texts, max_len)
 
 
 def minilm_rows(num_passages: int, max_len: int) -> Rows:

@@ -158,8 +158,11 @@ def _table(rows, sweep, pname, keys):
       continue
     for i, (param, _) in enumerate(table[(model, tasks[0])]):
       accs = [table[(model, t)][i][1]["acc"] for t in tasks]
+      stats = [[table[(model, t)][i][1][k] for t in tasks] for k in keys]
+      # None: not measured for this sweep (precision of a library policy).
       stats = [
-        np.mean([table[(model, t)][i][1][k] for t in tasks]) for k in keys
+        np.nan if any(v is None for v in vals) else np.mean(vals)
+        for vals in stats
       ]
       if keys and keys[-1] == "tv_bound_max":
         stats[-1] = max(table[(model, t)][i][1]["tv_bound_max"] for t in tasks)
@@ -167,7 +170,7 @@ def _table(rows, sweep, pname, keys):
         f"| {model} | {param if param is None else format(param, '.4g')} | "
         + " | ".join(f"{a:.3f}" for a in accs)
         + " | "
-        + " | ".join(f"{s:.3g}" for s in stats)
+        + " | ".join("-" if np.isnan(s) else f"{s:.3g}" for s in stats)
         + " |"
       )
   return "\n".join(lines)

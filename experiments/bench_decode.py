@@ -14,39 +14,27 @@ jax.lax.top_k + gather, at 8 heads, head_dim 128, rho = 1/64, n = 16,384 and
              ``jaxtopk.attention._decode`` steps 1-4: no values, no
              certificate), to show where the time beyond the floor goes
 
-Each variant is jitted, warmed up, then timed ``--repeats`` times; the JSON
-records min and median (the machine is shared, so min is the steadier
-figure) and the ratio to the floor.
+Each variant is jitted, warmed up, then timed ``config.repeats`` times;
+``results.json`` records min and median (the machine is shared, so min is
+the steadier figure), the ratio to the floor, the machine and the load
+average; ``metrics.jsonl`` one row per n; ``ratios.png`` the ratios.
 
-Usage:
-  python -m experiments.bench_decode --out /tmp/bench_decode.json
+Usage (experiments/README.md):
+  python -m experiments.bench_decode \
+    --config=experiments/configs/bench_decode.py --workdir=/tmp/bench_decode
 """
 
-import json
 import os
-import platform
-import sys
 
 import jax
 import jax.numpy as jnp
-from absl import app
-from absl import flags
 
 import jaxtopk
 from experiments import _common
 from jaxtopk.attention import _decode
 
-FLAGS = flags.FLAGS
-
-
-def _define_flags():
-  """Flags, defined only when run as a script (importable by tests)."""
-  flags.DEFINE_string("out", "bench_decode.json", "JSON output path.")
-  flags.DEFINE_list("sizes", ["16384", "131072"], "Key counts n.")
-  flags.DEFINE_integer("repeats", 15, "Timed calls per variant.")
-  flags.DEFINE_integer("heads", 8, "Heads (= kv heads).")
-  flags.DEFINE_integer("head_dim", 128, "Head dimension.")
-  flags.DEFINE_float("rho", 1 / 64, "Kept fraction.")
+NAME = "bench_decode"
+VARIANTS = ("dense", "lax_topk", "jaxtopk", "jaxtopk_select")
 
 
 def bench(n, *, heads, head_dim, rho, repeats):
@@ -120,39 +108,54 @@ def bench(n, *, heads, head_dim, rho, repeats):
   return res
 
 
-def main(argv):
-  del argv
-  load_before = os.getloadavg()
+def run(config, workdir, *, overwrite: bool = False) -> dict:
+  """Times every variant at each ``config.sizes``; writes the workdir."""
+  wd = _common.Workdir(workdir, config, overwrite=overwrite)
+  meta = _common.machine_info()
   results = []
-  for n in map(int, FLAGS.sizes):
+  progress = _common.Progress(NAME, len(config.sizes))
+  for n in config.sizes:
     r = bench(
-      n,
-      heads=FLAGS.heads,
-      head_dim=FLAGS.head_dim,
-      rho=FLAGS.rho,
-      repeats=FLAGS.repeats,
+      int(n),
+      heads=config.heads,
+      head_dim=config.head_dim,
+      rho=config.rho,
+      repeats=config.repeats,
     )
-    print(json.dumps(r), flush=True)
+    wd.metrics.write("decode", **r)
     results.append(r)
-  meta = dict(
-    machine=platform.machine(),
-    processor=platform.processor(),
-    cpu_count=jax.local_device_count("cpu"),
-    jax=jax.__version__,
-    backend=jax.default_backend(),
-    command=" ".join(["python -m experiments.bench_decode", *sys.argv[1:]]),
-    load_avg_1_5_15_min_before=load_before,
-    load_avg_1_5_15_min_after=os.getloadavg(),
+    progress.update(note=f"n={n}")
+  meta.update(
+    load_average_after=list(os.getloadavg()),
     layout="head-major [batch, heads, n, head_dim], float32",
     timing=(
       "jit, 2 warm-up calls, variants timed round-robin, min and median"
-      " of --repeats calls each"
+      " of config.repeats calls each"
     ),
   )
-  with open(FLAGS.out, "w") as f:
-    json.dump(dict(meta=meta, results=results), f, indent=1)
+  record = dict(meta=meta, results=results)
+  wd.write_json("results.json", record)
+  _common.bar_figure(
+    wd.path,
+    "ratios",
+    {
+      f"n={r['n']}": {v: r[f"{v}_over_floor_min"] for v in VARIANTS}
+      for r in results
+    },
+    ylabel="time / logits floor (min)",
+    title=f"One decode step, {config.heads} heads, d={config.head_dim}",
+  )
+  wd.write_summary(
+    _common.format_table(
+      [
+        {"n": r["n"], **{v: r[f"{v}_over_floor_min"] for v in VARIANTS}}
+        for r in results
+      ],
+      ["n", *VARIANTS],
+    )
+  )
+  return record
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  _common.app_main(NAME, run)

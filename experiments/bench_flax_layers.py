@@ -15,46 +15,26 @@ Each figure is the median and min of ``--repeats`` runs after one warm-up
 decode timings include restoring the filled cache (``nnx.update``, outside
 jit) before each step, for both layers. The record also carries the
 certificate summary of the timed Top-k runs and the command line. Writes one
-JSON file.
+``results.json`` (with the machine and load), ``metrics.jsonl`` and
+``timings.png`` in the workdir.
 
-Launch:
-  python -m experiments.bench_flax_layers --out=/tmp/bench_flax_layers.json
-  python -m experiments.bench_flax_layers --out=/tmp/b.json --seq=64 \
-    --repeats=1 --only=nnx_multi_head_attention,topk_fixed_k   # smoke
+Launch (experiments/README.md; ``:smoke`` for a run of seconds):
+  python -m experiments.bench_flax_layers \
+    --config=experiments/configs/bench_flax_layers.py --workdir=/tmp/bfl
 """
 
-import json
 import os
 import platform
-import sys
 
 import jax
 import jax.numpy as jnp
-from absl import app
-from absl import flags
 from flax import nnx
 
 import jaxtopk
 from experiments import _common
 from jaxtopk import nn as topk_nn
 
-FLAGS = flags.FLAGS
-
-
-def _define_flags():
-  """Flags, defined only when run as a script (importable beside others)."""
-  flags.DEFINE_string("out", None, "JSON file to write.", required=True)
-  flags.DEFINE_integer("batch", 2, "Sequences per call.")
-  flags.DEFINE_integer("seq", 2048, "Tokens (prefill) / cache length.")
-  flags.DEFINE_integer("heads", 8, "Query heads.")
-  flags.DEFINE_integer("head_dim", 64, "Features per head.")
-  flags.DEFINE_integer("repeats", 5, "Timed runs after warm-up.")
-  flags.DEFINE_list(
-    "only",
-    None,
-    "Names of the layers to time (default all): nnx_multi_head_attention, "
-    "topk_dense, topk_fixed_k, topk_certified.",
-  )
+NAME = "bench_flax_layers"
 
 
 @nnx.jit
@@ -90,8 +70,8 @@ def _policies(seq):
   }
 
 
-def run(batch, seq, heads, head_dim, repeats, only=None) -> dict:
-  """Runs the benchmark and returns its record.
+def measure(batch, seq, heads, head_dim, repeats, only=None) -> dict:
+  """Times the layers and returns the record.
 
   Args:
     batch: sequences per call.
@@ -167,24 +147,37 @@ def _fill_cache(layer, x, length):
   return length
 
 
-def main(argv):
-  del argv
-  record = run(
-    FLAGS.batch,
-    FLAGS.seq,
-    FLAGS.heads,
-    FLAGS.head_dim,
-    FLAGS.repeats,
-    only=FLAGS.only,
+def run(config, workdir, *, overwrite: bool = False) -> dict:
+  """Times the configured layers; writes results.json, metrics, figure."""
+  wd = _common.Workdir(workdir, config, overwrite=overwrite)
+  record = measure(
+    config.batch,
+    config.seq,
+    config.heads,
+    config.head_dim,
+    config.repeats,
+    only=config.only,
   )
-  record["command"] = " ".join(
-    ["python -m experiments.bench_flax_layers", *sys.argv[1:]]
+  record["meta"] = _common.machine_info()
+  for phase in ("prefill", "decode"):
+    for name, timing in record[phase].items():
+      wd.metrics.write(phase, layer=name, **timing)
+  wd.write_json("results.json", record)
+  ref = "nnx_multi_head_attention"
+  _common.bar_figure(
+    wd.path,
+    "timings",
+    {
+      phase: {name: t["min_s"] * 1e3 for name, t in record[phase].items()}
+      for phase in ("prefill", "decode")
+    },
+    ylabel="ms (min)",
+    title=f"seq {config.seq}, {config.heads} heads x {config.head_dim}"
+    + (f" (vs {ref})" if ref in record["prefill"] else ""),
+    log=True,
   )
-  with open(FLAGS.out, "w") as f:
-    json.dump(record, f, indent=2)
-  print(json.dumps(record, indent=2))
+  return record
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  _common.app_main(NAME, run)

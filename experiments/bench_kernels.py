@@ -17,51 +17,35 @@ Goals (issue #4, on a GPU): decode at n = 128K, eps = 0.01, >= 2x faster than
 dense cuDNN decode; prefill within 1.3x of dense with every block kept, and
 >= 2x faster than dense with 1/8 of the blocks kept.
 
-Keys: ``--keys=clustered`` (default) draws each block's keys around a block
-centre (local structure, as real caches have, so box bounds are informative);
-``--keys=iid`` uses independent normal keys (box bounds then prune little).
+Keys: ``config.key_layout = "clustered"`` (default) draws each block's keys
+around a block centre (local structure, as real caches have, so box bounds
+are informative); ``"iid"`` uses independent normal keys (box bounds then
+prune little).
 A few "needle" blocks per head are aligned with the query (retrieval).
 
-Each timing is the median and min of ``--repeats`` runs after a warm-up
-(compile) run. On CPU the kernels only run in Pallas interpret mode, whose
-timings say nothing about speed: the script then REFUSES to time anything
-unless ``--smoke``, which runs a tiny correctness check (kernels vs their
-references) and records no timings.
+Each timing is the median and min of ``config.repeats`` runs after a
+warm-up (compile) run. On CPU the kernels only run in Pallas interpret mode,
+whose timings say nothing about speed: the binary then REFUSES to time
+anything unless the config is the smoke one, which runs a tiny correctness
+check (kernels vs their references) and records no timings. Writes
+``results.json`` (device, machine, load), ``metrics.jsonl`` and, with
+timings, ``timings.png`` into the workdir.
 
-Launch (GPU):
-  python -m experiments.bench_kernels --out=/tmp/bench_kernels.json
-Smoke (CPU, seconds, correctness only):
-  python -m experiments.bench_kernels --out=/tmp/b.json --smoke
+Launch (GPU; experiments/README.md):
+  python -m experiments.bench_kernels \
+    --config=experiments/configs/bench_kernels.py --workdir=/tmp/bench_kernels
+Smoke (CPU, seconds, correctness only): ``...bench_kernels.py:smoke``.
 """
-
-import json
-import platform
 
 import jax
 import jax.numpy as jnp
 from absl import app
-from absl import flags
 
 import jaxtopk
 from experiments import _common
 from jaxtopk import kernels
 
-_OUT = flags.DEFINE_string("out", None, "JSON file to write.", required=True)
-_LENGTHS = flags.DEFINE_list(
-  "lengths", ["8192", "16384", "32768", "65536", "131072"], "Context lengths."
-)
-_HEADS = flags.DEFINE_integer("heads", 8, "Query heads.")
-_KV_HEADS = flags.DEFINE_integer("kv_heads", 8, "KV heads (GQA if fewer).")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "Head dimension.")
-_EPS = flags.DEFINE_float("eps", 0.01, "Certified dropped-mass budget.")
-_BLOCK = flags.DEFINE_integer("block", 128, "Key block (and query tile).")
-_SPLITS = flags.DEFINE_integer("splits", 16, "Split-K programs per head.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs after warm-up.")
-_KEYS = flags.DEFINE_enum("keys", "clustered", ["clustered", "iid"], "Keys.")
-_PREFILL_MAX = flags.DEFINE_integer(
-  "prefill_max", 32768, "Longest n for the prefill rows (q_len = n)."
-)
-_SMOKE = flags.DEFINE_bool("smoke", False, "Tiny correctness run (CPU ok).")
+NAME = "bench_kernels"
 
 # Tests set this to exercise the timing code paths on CPU; its timings are
 # never written as results (``run`` refuses to time on CPU).
@@ -108,10 +92,12 @@ def _bhtd(x):
   return jnp.swapaxes(x, 1, 2)  # head-major -> jax.nn layout
 
 
-def bench_decode(n, repeats):
-  h, hk, d, bk = _HEADS.value, _KV_HEADS.value, _HEAD_DIM.value, _BLOCK.value
+def bench_decode(c, n):
+  """Decode timings at ``n`` keys for config ``c``."""
+  repeats = c.repeats
+  h, hk, d, bk = c.heads, c.kv_heads, c.head_dim, c.block
   q, k, v = make_inputs(
-    n, heads=h, kv_heads=hk, d=d, block=bk, keys=_KEYS.value, q_len=1
+    n, heads=h, kv_heads=hk, d=d, block=bk, keys=c.key_layout, q_len=1
   )
   rec = {}
   for impl in ("cudnn", "xla"):
@@ -123,17 +109,17 @@ def bench_decode(n, repeats):
     rec[f"dense_{impl}"] = _try(lambda f=f: f(q, k, v), repeats)
   cache = jaxtopk.init_kv_cache(1, n, hk, d, block_size=bk, dtype=k.dtype)
   cache = jaxtopk.kv_cache_update(cache, _bhtd(k), _bhtd(v))
-  pol = jaxtopk.Certified(_EPS.value, search="delta", block_size=bk)
+  pol = jaxtopk.Certified(c.eps, search="delta", block_size=bk)
   xla = jax.jit(lambda q, c: jaxtopk.decode_attention(q, c, policy=pol))
   rec["xla_topk_delta"] = _try(lambda: xla(_bhtd(q), cache), repeats)
   box = cache.box()
-  sizes = kernels.DecodeSizes(bk, _SPLITS.value)
+  sizes = kernels.DecodeSizes(bk, c.splits)
   pal = jax.jit(
     lambda q, k, v, box, vn: kernels.certified_decode(
       q,
       k,
       v,
-      eps=_EPS.value,
+      eps=c.eps,
       summary=box,
       value_norms=vn,
       block_sizes=sizes,
@@ -150,10 +136,12 @@ def bench_decode(n, repeats):
   return rec
 
 
-def bench_prefill(n, repeats):
-  h, hk, d, bk = _HEADS.value, _KV_HEADS.value, _HEAD_DIM.value, _BLOCK.value
+def bench_prefill(c, n):
+  """Prefill timings at ``n`` tokens for config ``c``."""
+  repeats = c.repeats
+  h, hk, d, bk = c.heads, c.kv_heads, c.head_dim, c.block
   q, k, v = make_inputs(
-    n, heads=h, kv_heads=hk, d=d, block=bk, keys=_KEYS.value, q_len=n
+    n, heads=h, kv_heads=hk, d=d, block=bk, keys=c.key_layout, q_len=n
   )
   rec = {}
   for impl in ("cudnn", "xla"):
@@ -186,7 +174,7 @@ def bench_prefill(n, repeats):
       q,
       k,
       v,
-      eps=_EPS.value,
+      eps=c.eps,
       is_causal=True,
       block_sizes=sizes,
       interpret=INTERPRET,
@@ -194,7 +182,7 @@ def bench_prefill(n, repeats):
   )
   rec["pallas_certified_prefill"] = _try(lambda: cert_fn(q, k, v), repeats)
   if n * n * h * 4 <= 8 * 2**30:
-    pol = jaxtopk.Certified(_EPS.value, block_size=bk)
+    pol = jaxtopk.Certified(c.eps, block_size=bk)
     xla = jax.jit(
       lambda q, k, v: jaxtopk.topk_attention(
         _bhtd(q), _bhtd(k), _bhtd(v), policy=pol, is_causal=True
@@ -225,18 +213,18 @@ def smoke() -> dict:
   )
 
 
-def run(smoke_only: bool) -> dict:
+def measure(c) -> dict:
+  """The record of config ``c``: timings, or the smoke check on CPU."""
   backend = jax.default_backend()
   rec = dict(
     device=str(jax.devices()[0].device_kind),
     backend=backend,
-    jax=jax.__version__,
-    host=platform.node(),
+    meta=_common.machine_info(),
     layout="head-major [b, h, n, d] for kernels; jax.nn [b, n, h, d] dense",
-    eps=_EPS.value,
-    keys=_KEYS.value,
+    eps=c.eps,
+    keys=c.key_layout,
   )
-  if smoke_only or backend == "cpu":
+  if c.smoke or backend == "cpu":
     rec["timings"] = None
     rec["note"] = (
       "No timings: on CPU the Pallas kernels run in interpret mode, whose"
@@ -245,25 +233,76 @@ def run(smoke_only: bool) -> dict:
     rec["smoke"] = smoke()
     return rec
   rec["decode"], rec["prefill"] = {}, {}
-  for n in map(int, _LENGTHS.value):
-    rec["decode"][n] = bench_decode(n, _REPEATS.value)
-    if n <= _PREFILL_MAX.value:
-      rec["prefill"][n] = bench_prefill(n, _REPEATS.value)
+  for n in c.lengths:
+    rec["decode"][n] = bench_decode(c, n)
+    if n <= c.prefill_max:
+      rec["prefill"][n] = bench_prefill(c, n)
   return rec
 
 
-def main(argv):
-  del argv
-  if jax.default_backend() == "cpu" and not _SMOKE.value:
+def run(config, workdir, *, overwrite: bool = False) -> dict:
+  """Runs the benchmark (refuses to time on CPU unless smoke)."""
+  if jax.default_backend() == "cpu" and not config.smoke:
     raise app.UsageError(
       "bench_kernels refuses to time Pallas interpret mode on CPU (it is not"
-      " speed). Run on a GPU/TPU, or pass --smoke for a correctness check."
+      " speed). Run on a GPU/TPU, or use the :smoke config for a"
+      " correctness check."
     )
-  rec = run(_SMOKE.value)
-  with open(_OUT.value, "w") as f:
-    json.dump(rec, f, indent=1, default=str)
-  print(json.dumps(rec, indent=1, default=str)[:4000])
+  wd = _common.Workdir(workdir, config, overwrite=overwrite)
+  rec = measure(config)
+  if rec.get("smoke"):
+    cert = rec["smoke"]["decode_certificate"]
+    _common.bar_figure(
+      wd.path,
+      "smoke",
+      {
+        "decode kernel": {
+          "max |kernel - reference|": rec["smoke"][
+            "decode_max_abs_diff_vs_reference"
+          ],
+          "tv_bound max (eps 0.05)": cert["tv_bound_max"],
+        }
+      },
+      ylabel="value",
+      title="Smoke (interpret mode): correctness, no timings",
+    )
+    wd.metrics.write(
+      "smoke",
+      **rec["smoke"]["decode_certificate"],
+      decode_max_abs_diff_vs_reference=rec["smoke"][
+        "decode_max_abs_diff_vs_reference"
+      ],
+    )
+  for phase in ("decode", "prefill"):
+    for n, row in rec.get(phase, {}).items():
+      wd.metrics.write(
+        phase,
+        n=n,
+        **{
+          k: v["min_s"]
+          for k, v in row.items()
+          if isinstance(v, dict) and "min_s" in v
+        },
+      )
+  if rec.get("decode"):
+    _common.bar_figure(
+      wd.path,
+      "timings",
+      {
+        f"n={n}": {
+          k: v["min_s"]
+          for k, v in row.items()
+          if isinstance(v, dict) and "min_s" in v
+        }
+        for n, row in rec["decode"].items()
+      },
+      ylabel="decode seconds (min)",
+      title=f"{rec['device']}: one decode step",
+      log=True,
+    )
+  wd.write_json("results.json", rec)
+  return rec
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _common.app_main(NAME, run)

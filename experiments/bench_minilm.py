@@ -1,4 +1,4 @@
-"""Benchmark: the real all-MiniLM-L6-v2 encoder in jaxtopk.nn.
+"""Benchmark: the real all-MiniLM-L6-v2 encoder in jaxtopk.models.
 
 Times, on real text (Debian licence passages), the three things other
 experiments pay for: loading the weights (``load_minilm``), the jitted dense
@@ -8,55 +8,45 @@ to host numpy). Each figure is the median and min of ``--repeats`` runs after
 one warm-up (compile) run; the machine is shared, so the min is the cleaner
 figure. Writes one JSON file.
 
-Launch:
-  python -m experiments.bench_minilm --out=/tmp/bench_minilm.json
-  python -m experiments.bench_minilm --out=/tmp/b.json --batch=2 --max_len=16 \
-    --repeats=1   # smoke, seconds
+Launch (experiments/README.md; ``:smoke`` for a run of seconds):
+  python -m experiments.bench_minilm \
+    --config=experiments/configs/bench_minilm.py --workdir=/tmp/bench_minilm
 """
 
-import json
 import os
 import platform
 
 import jax
-from absl import app
-from absl import flags
 from flax import nnx
 
+from experiments import _attention_rows
 from experiments import _common
-from jaxtopk import nn
+from experiments import _real_text
+from jaxtopk import models
 
-FLAGS = flags.FLAGS
-
-
-def _define_flags():
-  """Flags, defined only when run as a script (importable beside others)."""
-  flags.DEFINE_string("out", None, "JSON file to write.", required=True)
-  flags.DEFINE_integer("batch", 8, "Passages per forward pass.")
-  flags.DEFINE_integer("max_len", 256, "Tokens per passage (padded).")
-  flags.DEFINE_integer("repeats", 5, "Timed runs after warm-up.")
+NAME = "bench_minilm"
 
 
 @nnx.jit
 def _embed(model, batch):
-  return nn.sentence_embedding(model, **batch)
+  return models.sentence_embedding(model, **batch)
 
 
-def run(batch_size: int, max_len: int, repeats: int) -> dict:
-  """Runs the benchmark and returns its record."""
-  texts, sources = nn.real_text_passages(
+def measure(batch_size: int, max_len: int, repeats: int) -> dict:
+  """Times loading, the forward pass and the rows; returns the record."""
+  texts, sources = _real_text.real_text_passages(
     batch_size, max_len, seed=0, return_sources=True
   )
-  load = _common.time_call(lambda: nn.load_minilm()[0], repeats)
-  model, tokenizer = nn.load_minilm()
-  batch = nn.minilm_tokenize(
+  load = _common.time_call(lambda: models.load_minilm()[0], repeats)
+  model, tokenizer = models.load_minilm()
+  batch = models.minilm_tokenize(
     tokenizer, texts, max_len=max_len, pad_to_max_len=True
   )
   forward = _common.time_call(lambda: _embed(model, batch), repeats)
   tokens = batch_size * max_len
   forward["tokens_per_s_at_min"] = tokens / forward["min_s"]
   rows = _common.time_call(
-    lambda: nn.minilm_attention_rows(
+    lambda: _attention_rows.minilm_attention_rows(
       texts,
       max_len,
       model=model,
@@ -83,14 +73,24 @@ def run(batch_size: int, max_len: int, repeats: int) -> dict:
   )
 
 
-def main(argv):
-  del argv
-  record = run(FLAGS.batch, FLAGS.max_len, FLAGS.repeats)
-  with open(FLAGS.out, "w", encoding="utf-8") as f:
-    json.dump(record, f, indent=2)
-  print(json.dumps(record, indent=2))
+def run(config, workdir, *, overwrite: bool = False) -> dict:
+  """Runs the benchmark; writes results.json, metrics.jsonl and a figure."""
+  wd = _common.Workdir(workdir, config, overwrite=overwrite)
+  record = measure(config.batch, config.max_len, config.repeats)
+  record["meta"] = _common.machine_info()
+  names = ("load_minilm", "embed_forward_jit", "minilm_attention_rows")
+  for name in names:
+    wd.metrics.write("timing", name=name, **record[name])
+  wd.write_json("results.json", record)
+  _common.bar_figure(
+    wd.path,
+    "timings",
+    {name: {"min": record[name]["min_s"]} for name in names},
+    ylabel="seconds (min)",
+    title=f"MiniLM, {config.batch} x {config.max_len} tokens",
+  )
+  return record
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  _common.app_main(NAME, run)

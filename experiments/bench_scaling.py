@@ -7,8 +7,10 @@ and XLA's memory analysis, and, up to ``execute_max_n``, also runs the step
 and checks it against the 1-device result. Compiling needs no memory for the
 arrays (``jax.ShapeDtypeStruct`` inputs), so n = 1M is cheap on a laptop.
 
-Writes into --workdir: config.json, metrics.jsonl (one object per compile),
-scaling.json (all rows) and scaling.png.
+Writes into --workdir (experiments/README.md): config.json, metrics.jsonl
+(one object per compile), results.json (the machine, the load and all rows;
+runs before the common convention wrote the rows as scaling.json) and
+scaling.png. A workdir that holds a run is refused (``--overwrite``).
 
   python -m experiments.bench_scaling \
     --config=experiments/configs/bench_scaling.py --workdir=/tmp/scaling
@@ -17,24 +19,16 @@ scaling.json (all rows) and scaling.png.
     --mesh=data=2,kv=4
 """
 
-import json
 import os
-import pathlib
 import time
 
 from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
-flags.mark_flag_as_required("workdir")
-_MESH = flags.DEFINE_string(
-  "mesh",
-  "",
-  "One mesh to study instead of config.meshes, e.g. 'data=2,kv=4'.",
-)
+from experiments import _common
+
+NAME = "bench_scaling"
 
 
 def _policy(expr):
@@ -184,10 +178,19 @@ def _plot(rows, path):
   plt.close(fig)
 
 
-def main(argv):
-  del argv
-  cfg = _CONFIG.value
-  workdir = pathlib.Path(_WORKDIR.value)
+def run(config, workdir, *, overwrite: bool = False, mesh: str = "") -> list:
+  """Compiles (and runs) every (policy, mesh, n); writes the workdir.
+
+  Args:
+    config: experiments/configs/bench_scaling.py.
+    workdir: the run directory (process 0 writes it).
+    overwrite: replace an earlier run's outputs instead of refusing.
+    mesh: one mesh spec to study instead of ``config.meshes``.
+
+  Returns:
+    The rows (one per compile).
+  """
+  cfg = config
   import jax
 
   from jaxtopk import parallel
@@ -197,15 +200,10 @@ def main(argv):
     # Only affects the CPU backend; must run before the backend starts.
     jax.config.update("jax_num_cpu_devices", int(cfg.simulated_devices))
   writer = jax.process_index() == 0  # multi-host: one process writes
-  metrics = workdir / "metrics.jsonl"
+  wd = None
   if writer:
-    workdir.mkdir(parents=True, exist_ok=True)
-    if metrics.exists():
-      raise SystemExit(
-        f"{metrics} exists; refusing to mix runs (use a new --workdir)"
-      )
-    (workdir / "config.json").write_text(cfg.to_json(indent=2))
-  meshes = [_MESH.value] if _MESH.value else list(cfg.meshes)
+    wd = _common.Workdir(workdir, cfg, overwrite=overwrite)
+  meshes = [mesh] if mesh else list(cfg.meshes)
   logging.info("devices: %s", jax.devices())
   rows, reference = [], {}
   total = len(cfg.policies) * len(meshes) * len(cfg.n_values)
@@ -216,20 +214,37 @@ def main(argv):
         row = _study_one(cfg, pol_name, policy, mesh_spec, n, reference)
         row["device_kind"] = jax.devices()[0].device_kind
         rows.append(row)
-        if writer:
-          with metrics.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        if wd is not None:
+          wd.metrics.write("scaling", **row)
         print(
           f"[{len(rows)}/{total}] {pol_name} {mesh_spec} n={n}:"
           f" {row['collectives']} collectives,"
           f" {row['sent_bytes_per_row']:.0f} B/row sent",
           flush=True,
         )
-  if writer:
-    (workdir / "scaling.json").write_text(json.dumps(rows, indent=1))
-    _plot(rows, workdir / "scaling.png")
+  if wd is not None:
+    wd.write_json("results.json", dict(meta=_common.machine_info(), rows=rows))
+    _plot(rows, wd.path / "scaling.png")
+  return rows
 
 
 if __name__ == "__main__":
   os.environ.setdefault("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", ""))
+  _CONFIG, _WORKDIR, _OVERWRITE = _common.define_flags(NAME)
+  _MESH = flags.DEFINE_string(
+    "mesh",
+    "",
+    "One mesh to study instead of config.meshes, e.g. 'data=2,kv=4'.",
+  )
+
+  def main(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    run(
+      _CONFIG.value,
+      _WORKDIR.value,
+      overwrite=_OVERWRITE.value,
+      mesh=_MESH.value,
+    )
+
   app.run(main)

@@ -9,7 +9,7 @@ faster at n >= 65,536. Both are jitted, timed round-robin; min and median.
 Part 2, ``delta``: Delta-Search (``jaxtopk.certified_search``, THEORY 6.2)
 keys_scored / n at eps = 0.01, 0.05, 0.1,
 - on real attention rows: all-MiniLM-L6-v2 (6 layers x 12 heads) on passages
-  of the Debian licence texts (``jaxtopk.nn.real_text_passages``), every
+  of the Debian licence texts (``experiments._real_text``), every
   ``--query_stride``-th real query of every layer, head and text;
 - on synthetic rows: 2,048 keys drifting along the sequence (random walks
   of step 0.3, flat rows, and 1.0, peaked rows with tight blocks), Gaussian
@@ -25,50 +25,23 @@ SIMULATION of the same rule without slack or blocks (``sim_lowrank_r{r}``,
 on a subsample of <= 300 rows, projection cost NOT included).
 Goal: >= 2x fewer scored keys on average at eps = 0.05 on the real rows.
 
-Usage:
-  python -m experiments.bench_selection --out /tmp/bench_selection.json
-  # rerun only part 2 and keep part 1 of an existing JSON:
-  python -m experiments.bench_selection --parts=delta --keep_other_parts \
-    --out=experiments/results/bench_selection_cpu.json
+Usage (experiments/README.md; results.json keeps both parts, the machine
+and the load average):
+  python -m experiments.bench_selection \
+    --config=experiments/configs/bench_selection.py --workdir=/tmp/bench_sel
 """
 
 import json
 import os
-import platform
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app
-from absl import flags
 
 import jaxtopk
 from experiments import _common
 
-FLAGS = flags.FLAGS
-
-
-def _define_flags():
-  """Flags, defined only when run as a script (importable by tests)."""
-  flags.DEFINE_string("out", "bench_selection.json", "JSON output.")
-  flags.DEFINE_list("parts", ["exact", "delta"], "Parts to run.")
-  flags.DEFINE_list(
-    "sizes", ["4096", "16384", "65536", "262144"], "Row lengths n."
-  )
-  flags.DEFINE_integer("rows", 8, "Rows per call in part 1.")
-  flags.DEFINE_integer("repeats", 9, "Timed calls per variant.")
-  flags.DEFINE_float("eps", 0.05, "Budget of part 1.")
-  flags.DEFINE_integer("texts", 2, "MiniLM passages (part 2).")
-  flags.DEFINE_integer("query_stride", 7, "Every k-th query.")
-  flags.DEFINE_integer("block_size", 16, "Delta-Search block size.")
-  flags.DEFINE_bool(
-    "keep_other_parts",
-    False,
-    "Keep the parts not run from an existing --out (each part records when"
-    " it ran in meta.part_runs).",
-  )
+NAME = "bench_selection"
 
 
 def sort_cumsum_certified(s, eps):
@@ -170,10 +143,10 @@ def _run_search(q, k, mask, scale, policy):
   )
 
 
-def _delta_rows(name, q, k, mask, scale, block_size, ranks):
+def _delta_rows(name, q, k, mask, scale, block_size, ranks, epss):
   out = []
   d = q.shape[-1]
-  for eps in (0.01, 0.05, 0.1):
+  for eps in epss:
     policy = jaxtopk.Certified(eps, search="delta", block_size=block_size)
     box = _run_search(q, k, mask, scale, policy)
     r = dict(
@@ -208,13 +181,44 @@ def _delta_rows(name, q, k, mask, scale, block_size, ranks):
   return out
 
 
-def part_delta(texts, stride, block_size):
-  from jaxtopk import nn as jnn  # noqa: PLC0415 (only part 2 needs it)
+def part_delta(config):
+  """Part 2: Delta-Search keys scored on MiniLM and synthetic rows."""
+  real, meta = [], {}
+  if config.minilm:
+    real, meta = _part_delta_minilm(
+      config.texts, config.query_stride, config.block_size, config.delta_epss
+    )
+  # Synthetic: keys drifting along the sequence (a random walk of step
+  # `walk` per key), head_dim 32, Gaussian queries. A slow walk gives flat
+  # rows (like MiniLM's); a fast one gives peaked rows with tight blocks.
+  synth = {}
+  for walk in config.walks:
+    kd, kn, kq = jax.random.split(jax.random.key(0), 3)
+    n, d, r = config.synthetic_keys, 32, config.synthetic_rows
+    drift = jnp.cumsum(walk * jax.random.normal(kd, (r, n, d)), axis=1)
+    keys = np.asarray(drift + 0.3 * jax.random.normal(kn, (r, n, d)))
+    qs = np.asarray(jax.random.normal(kq, (r, d)))
+    synth[f"walk_{walk}"] = _delta_rows(
+      f"synthetic_walk_{walk}",
+      qs,
+      keys,
+      np.ones((r, n), bool),
+      d**-0.5,
+      config.synthetic_block_size,
+      ranks=tuple(config.synthetic_ranks),
+      epss=tuple(config.delta_epss),
+    )
+  return dict(meta=meta, minilm=real, synthetic=synth)
 
-  passages, sources = jnn.real_text_passages(
+
+def _part_delta_minilm(texts, stride, block_size, epss):
+  from experiments import _attention_rows  # only part 2 needs MiniLM
+  from experiments import _real_text
+
+  passages, sources = _real_text.real_text_passages(
     texts, max_words=200, return_sources=True
   )
-  rows = jnn.minilm_attention_rows(passages, max_len=256)
+  rows = _attention_rows.minilm_attention_rows(passages, max_len=256)
   q, k, km = rows["queries"], rows["keys"], rows["key_mask"]
   scale = float(rows["scale"])
   nl, b, h, s, dh = q.shape
@@ -233,65 +237,59 @@ def part_delta(texts, stride, block_size):
     scale,
     block_size,
     ranks=(4, 8, 16),
+    epss=tuple(epss),
   )
-  # Synthetic: 2048 keys, head_dim 32, drifting along the sequence (a random
-  # walk of step `walk` per key), Gaussian queries. A slow walk gives flat
-  # rows (like MiniLM's); a fast one gives peaked rows with tight blocks.
-  synth = {}
-  for walk in (0.3, 1.0):
-    kd, kn, kq = jax.random.split(jax.random.key(0), 3)
-    n, d, r = 2048, 32, 256
-    drift = jnp.cumsum(walk * jax.random.normal(kd, (r, n, d)), axis=1)
-    keys = np.asarray(drift + 0.3 * jax.random.normal(kn, (r, n, d)))
-    qs = np.asarray(jax.random.normal(kq, (r, d)))
-    synth[f"walk_{walk}"] = _delta_rows(
-      f"synthetic_walk_{walk}",
-      qs,
-      keys,
-      np.ones((r, n), bool),
-      d**-0.5,
-      64,
-      ranks=(8,),
-    )
-  meta = dict(texts=sources, model="all-MiniLM-L6-v2", max_len=256)
-  return dict(meta=meta, minilm=real, synthetic=synth)
+  return real, dict(texts=sources, model="all-MiniLM-L6-v2", max_len=256)
 
 
-def main(argv):
-  del argv
-  result = {}
-  if FLAGS.keep_other_parts and os.path.exists(FLAGS.out):
-    with open(FLAGS.out) as f:
-      result = json.load(f)
-  runs = result.get("meta", {}).get("part_runs", {})
-  stamp = dict(
-    utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-    load_average=os.getloadavg(),
+def run(config, workdir, *, overwrite: bool = False) -> dict:
+  """Runs ``config.parts``; writes results.json, metrics.jsonl, figures."""
+  wd = _common.Workdir(workdir, config, overwrite=overwrite)
+  result = {"meta": _common.machine_info()}
+  result["meta"]["timing"] = (
+    "jit, 2 warm-ups, round-robin, min and median of config.repeats"
   )
-  runs.update({part: dict(stamp) for part in FLAGS.parts})
-  result["meta"] = dict(
-    part_runs=runs,  # parts without an entry ran before stamps existed
-    command=" ".join(sys.argv),
-    machine=platform.machine(),
-    processor=platform.processor(),
-    jax=jax.__version__,
-    backend=jax.default_backend(),
-    timing="jit, 2 warm-ups, round-robin, min and median of --repeats",
-  )
-  if "exact" in FLAGS.parts:
+  if "exact" in config.parts:
     result["exact"] = part_exact(
-      [int(x) for x in FLAGS.sizes], FLAGS.rows, FLAGS.eps, FLAGS.repeats
+      [int(x) for x in config.sizes], config.rows, config.eps, config.repeats
     )
-  if "delta" in FLAGS.parts:
-    result["delta"] = part_delta(
-      FLAGS.texts, FLAGS.query_stride, FLAGS.block_size
+    for r in result["exact"]:
+      wd.metrics.write("exact", **r)
+    _common.bar_figure(
+      wd.path,
+      "exact_speedup",
+      {
+        f"n={r['n']}": {"speedup (min)": r["speedup_min"]}
+        for r in result["exact"]
+      },
+      ylabel="sort + cumsum time / select time",
+      title=f"Certified({config.eps}) selection vs sort + cumsum",
+      log=True,
     )
-  for part in FLAGS.parts:
-    runs[part]["load_average_after"] = os.getloadavg()
-  with open(FLAGS.out, "w") as f:
-    json.dump(result, f, indent=1)
+  if "delta" in config.parts:
+    result["delta"] = part_delta(config)
+    rows = result["delta"]["minilm"] + [
+      r for rs in result["delta"]["synthetic"].values() for r in rs
+    ]
+    for r in rows:
+      wd.metrics.write("delta", **r)
+    _common.bar_figure(
+      wd.path,
+      "delta_keys_scored",
+      {
+        f"{r['rows']}\neps={r['eps']}": {
+          "delta (box)": r["keys_scored_fraction"],
+          "oracle k_eps": r["oracle"],
+        }
+        for r in rows
+      },
+      ylabel="fraction of the n keys",
+      title="Delta-Search keys scored vs the minimal kept set",
+    )
+  result["meta"]["load_average_after"] = list(os.getloadavg())
+  wd.write_json("results.json", result)
+  return result
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  _common.app_main(NAME, run)

@@ -32,7 +32,6 @@ certified_search.png, summary.txt.
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app
 
 import jaxtopk
 from experiments import _common
@@ -141,12 +140,12 @@ def analyse(rows: _data.Rows, config, block_size, source, writer, key):
       )
     )  # [G, q]
     for search in config.searches:
+      mc = dict(delta=config.delta, num_samples=config.num_samples)
       policy = jaxtopk.Certified(
         eps,
         search=search,
         block_size=block_size,
-        delta=config.delta,
-        num_samples=config.num_samples,
+        **(mc if search == "mc" else {}),
       )
       res, key = search_rows(rows, policy, key)
       v = res["valid"][qm]
@@ -302,12 +301,5 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
   return {"search": records}
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
-
-
 if __name__ == "__main__":
-  _CONFIG, _WORKDIR, _OVERWRITE = _common.define_flags(NAME)
-  app.run(main)
+  _common.app_main(NAME, run)

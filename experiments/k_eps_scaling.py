@@ -32,7 +32,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app
 from absl import logging
 
 from experiments import _common
@@ -320,14 +319,5 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
   return {"gaussian": records, "parts": parts, "minilm": minilm}
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
-
-
 if __name__ == "__main__":
-  _CONFIG, _WORKDIR, _OVERWRITE = _common.define_flags(
-    NAME, default_workdir=DEFAULT_WORKDIR
-  )
-  app.run(main)
+  _common.app_main(NAME, run, default_workdir=DEFAULT_WORKDIR)

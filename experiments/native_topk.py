@@ -28,6 +28,18 @@ refused.
 
   python -m experiments.native_topk \
     --config=experiments/configs/native_topk.py --workdir=/tmp/native_topk
+
+Multi-host (README "Pods"): every process runs the same command (plus
+``--coordinator_address/--num_processes/--process_id`` off TPU, see
+``jaxtopk.parallel.maybe_initialize_distributed``); training is data
+parallel over ``--mesh`` (default all devices on ``data``; parameters and
+optimizer state by ``parallel``'s rules, attention heads over ``heads``),
+each process handing over only its rows of every batch; checkpoints are
+saved by all processes together (orbax) and restore into any process
+count; the stop decision on a signal is agreed by all processes; every
+process evaluates the trained weights (small models: no collectives), and
+only process 0 writes config.json, metrics.jsonl, results.md and figures.
+The workdir must be one shared filesystem for all processes.
 """
 
 import json
@@ -49,7 +61,10 @@ from flax import nnx
 from ml_collections import config_flags
 
 import jaxtopk
-from jaxtopk import nn
+from experiments import _common
+from experiments import _selectors
+from jaxtopk import models
+from jaxtopk import parallel
 from jaxtopk import tasks
 
 PHASES = ("base", "dense", "topk")
@@ -128,7 +143,10 @@ def train_batch(config, phase: str, step: int):
 
 
 class Metrics:
-  """Append-only metrics.jsonl that drops lines a resumed run will redo."""
+  """Append-only metrics.jsonl that drops lines a resumed run will redo.
+
+  Multi-host: only process 0 writes the file.
+  """
 
   def __init__(self, path):
     self.path = path
@@ -142,6 +160,8 @@ class Metrics:
     self._rewrite()
 
   def _rewrite(self):
+    if not parallel.is_main_process():
+      return
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:
       for row in self.rows:
@@ -150,6 +170,8 @@ class Metrics:
 
   def write(self, **row):
     self.rows.append(row)
+    if not parallel.is_main_process():
+      return
     with open(self.path, "a") as f:
       f.write(json.dumps(row) + "\n")
 
@@ -157,11 +179,11 @@ class Metrics:
 # ------------------------------------------------------------- training
 
 
-def _model(config, seed) -> nn.TopKDecoder:
-  dcfg = nn.DecoderConfig(
+def _model(config, seed) -> models.TopKDecoder:
+  dcfg = models.DecoderConfig(
     vocab_size=_vocab(config).size, **config.model.to_dict()
   )
-  return nn.TopKDecoder(dcfg, rngs=nnx.Rngs(seed))
+  return models.TopKDecoder(dcfg, rngs=nnx.Rngs(seed))
 
 
 def _optimizer(model, config, phase):
@@ -182,8 +204,10 @@ def _optimizer(model, config, phase):
 
 
 def _flat(tree):
+  # Arrays stay jax.Arrays: orbax saves a global array from every process
+  # (each writes its shards) and restores into a template's sharding.
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
+  return {jax.tree_util.keystr(p): x for p, x in leaves}
 
 
 def _unflat(template, flat):
@@ -236,29 +260,43 @@ def _manager(workdir, phase):
   )
 
 
-def _loss_fn(model, inputs, targets, weights, selector):
-  logits, _ = model(inputs, selector=selector)  # [b, s, vocab]
+def _loss_fn(model, inputs, targets, weights, attention):
+  logits, _ = model(inputs, attention=attention)  # [b, s, vocab]
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   loss = jnp.sum(ce * weights) / jnp.sum(weights)
   hit = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
   return loss, jnp.sum(hit * weights) / jnp.sum(weights)
 
 
-@nnx.jit(static_argnames=("selector",))
-def _train_step(model, optimizer, inputs, targets, weights, selector):
+@nnx.jit(static_argnames=("attention",))
+def _train_step(model, optimizer, inputs, targets, weights, attention):
   grad_fn = nnx.value_and_grad(_loss_fn, has_aux=True)
-  (loss, acc), grads = grad_fn(model, inputs, targets, weights, selector)
+  (loss, acc), grads = grad_fn(model, inputs, targets, weights, attention)
   optimizer.update(model, grads)
   return loss, acc
 
 
-def train_phase(config, workdir, phase, metrics, should_stop):
-  """Runs (or resumes) one training phase; returns (model, finished)."""
+def _shard(module, mesh):
+  """Places all of ``module``'s state on ``mesh`` by parallel's rules."""
+  state = nnx.state(module)
+  shardings = parallel.param_shardings(state, mesh)
+  nnx.update(module, parallel.put_global(state, shardings))
+
+
+def train_phase(config, workdir, phase, metrics, should_stop, mesh=None):
+  """Runs (or resumes) one training phase; returns (model, finished).
+
+  With a ``mesh``, training is data parallel over its ``data`` axis (and
+  attention heads over ``heads``), across processes when multi-host.
+  """
   t = config.train
   steps = t.base_steps if phase == "base" else t.finetune_steps
-  selector = jaxtopk.Ratio(t.train_rho) if phase == "topk" else None
+  attention = jaxtopk.Ratio(t.train_rho) if phase == "topk" else None
   model = _model(config, config.seed)
   optimizer = _optimizer(model, config, phase)
+  if mesh is not None:
+    _shard(model, mesh)
+    _shard(optimizer, mesh)
   manager = _manager(workdir, phase)
   start = manager.latest_step()
   if start is not None:
@@ -276,8 +314,12 @@ def train_phase(config, workdir, phase, metrics, should_stop):
   )
   tick = time.time()
   for step in range(start, steps):
-    batch = [jnp.asarray(a) for a in train_batch(config, phase, step)]
-    loss, acc = _train_step(model, optimizer, *batch, selector)
+    batch = train_batch(config, phase, step)
+    if mesh is None:
+      batch = [jnp.asarray(a) for a in batch]
+    else:  # each process hands over only its rows
+      batch = [parallel.global_batch(a, mesh) for a in batch]
+    loss, acc = _train_step(model, optimizer, *batch, attention)
     done = step + 1
     if done % t.log_every == 0 or done == steps or done == 1:
       secs = (time.time() - tick) / (done - start)
@@ -299,7 +341,7 @@ def train_phase(config, workdir, phase, metrics, should_stop):
         secs,
         secs * (steps - done),
       )
-    stop = should_stop()
+    stop = parallel.any_process(should_stop())  # one decision for all
     if done % t.checkpoint_every == 0 or done == steps or stop:
       _save(manager, done, model, optimizer)
     if stop and done < steps:
@@ -313,15 +355,15 @@ def train_phase(config, workdir, phase, metrics, should_stop):
 # ----------------------------------------------------------- evaluation
 
 _decode = nnx.jit(
-  nn.decode_teacher_forced,
-  static_argnames=("prompt_len", "selector", "stats"),
+  models.decode_teacher_forced,
+  static_argnames=("prompt_len", "attention", "block_size"),
 )
 
 
 @nnx.jit
-def _dense_stats(model, inputs):
-  _, info = model(inputs, stats=True)
-  return [layer["entropy"] for layer in info]  # per layer [b, h, s]
+def _dense_entropy(model, inputs):
+  _, info = model(inputs, attention=_selectors.DENSE_STATS)
+  return [layer["entropy"] for layer in info]  # per layer [b, s, h]
 
 
 def eval_sets(config):
@@ -339,22 +381,47 @@ def eval_sets(config):
 
 
 def sweep_selectors(config):
-  """[(sweep, parameter, selector)] decoded for each model and task."""
+  """[(sweep, parameter, attention)] decoded for each model and task.
+
+  Dense, ratio and certified sweeps run the library's own decode path
+  (``jaxtopk.decode_attention`` with a policy, certificates included); the
+  fidelity sweeps plug the experiment's selectors in through the decoder's
+  attention hook (``_selectors.SelectorAttention``).
+  """
   e = config.eval
+  hook = _selectors.SelectorAttention
   out = [("dense", None, None)]
   out += [("ratio", r, jaxtopk.Ratio(r)) for r in e.rhos]
-  out += [("mixed", p, nn.MixedTopK(e.fidelity_rho, p)) for p in e.precisions]
   out += [
-    ("approx_emulated", r, nn.ApproxMaxK(e.fidelity_rho, r))
+    ("mixed", p, hook(_selectors.MixedTopK(e.fidelity_rho, p)))
+    for p in e.precisions
+  ]
+  out += [
+    ("approx_emulated", r, hook(_selectors.ApproxMaxK(e.fidelity_rho, r)))
     for r in e.recall_targets
   ]
   if e.approx_xla:
     out += [
-      ("approx_xla", r, nn.ApproxMaxK(e.fidelity_rho, r, emulate=False))
+      (
+        "approx_xla",
+        r,
+        hook(_selectors.ApproxMaxK(e.fidelity_rho, r, emulate=False)),
+      )
       for r in e.recall_targets
     ]
   out += [("certified", eps, jaxtopk.Certified(eps)) for eps in e.eps]
   return out
+
+
+def _row_stats(aux):
+  """``(kept, tv_bound, precision)`` of one layer's decode statistics.
+
+  A Certificate (policy sweeps) has no precision: the library keeps an exact
+  upper set of the logits, so precision is not measured there (None).
+  """
+  if isinstance(aux, jaxtopk.Certificate):
+    return aux.k_kept, aux.tv_bound, None
+  return aux["kept"], aux["tv_bound"], aux["precision"]
 
 
 def decode_eval(config, model, batch, prompt, selector, rng):
@@ -367,31 +434,33 @@ def decode_eval(config, model, batch, prompt, selector, rng):
     inputs = jnp.asarray(batch.inputs[lo : lo + size])
     targets = batch.targets[lo : lo + size]
     logits, infos = _decode(
-      model,
-      inputs,
-      prompt_len=prompt,
-      selector=selector,
-      rng=rng,
-      stats=True,
+      model, inputs, prompt_len=prompt, attention=selector, rng=rng
     )
     logits = np.asarray(logits)[:, steps]  # [b, answers, vocab]
     logits_all.append(logits)
     hits.append(np.argmax(logits, -1) == targets[:, cols])
-    for layer in infos:  # [b, h, decode steps]
-      kept.append(np.asarray(layer["kept"])[..., steps] / (cols + 1))
-      tv.append(np.asarray(layer["tv_bound"])[..., steps])
-      prec.append(np.asarray(layer["precision"])[..., steps])
+    for layer in infos:  # leaves [b, decode steps, h]
+      k_kept, tv_bound, precision = _row_stats(layer)
+      filled = (cols + 1)[None, :, None]  # keys in the cache at each answer
+      kept.append(np.asarray(k_kept)[:, steps] / filled)
+      tv.append(np.asarray(tv_bound)[:, steps])
+      if precision is not None:
+        prec.append(np.asarray(precision)[:, steps])
   tv = np.concatenate([x.ravel() for x in tv])
   return np.concatenate(logits_all), dict(
     acc=float(np.mean(np.concatenate(hits))),
     kept_frac=float(np.mean(np.concatenate([x.ravel() for x in kept]))),
     tv_bound_mean=float(np.mean(tv)),
     tv_bound_max=float(np.max(tv)),
-    precision=float(np.mean(np.concatenate([x.ravel() for x in prec]))),
+    precision=(
+      float(np.mean(np.concatenate([x.ravel() for x in prec])))
+      if prec
+      else None
+    ),
   )
 
 
-def evaluate(config, models, metrics):
+def evaluate(config, trained_models, metrics):
   """Runs every sweep; writes eval, check and entropy rows."""
   metrics.drop(lambda r: r.get("kind") in ("eval", "entropy", "check"))
   sets = eval_sets(config)
@@ -399,13 +468,13 @@ def evaluate(config, models, metrics):
   prompt = min(batch.first_answer for _, batch in sets)
   selectors = sweep_selectors(config)
   rng = jax.random.key(config.seed)
-  total, count, tick = len(models) * len(selectors), 0, time.time()
+  total, count, tick = len(trained_models) * len(selectors), 0, time.time()
   # Every model is evaluated through one module object: its weights are
   # swapped in, so the jitted decode compiles once per selector, not once per
   # model (a new TopKDecoder has a new graphdef: CertifiedTopKAttention
   # holds a per-instance attention_fn closure as a static attribute).
   model = _model(config, config.seed)
-  for model_name, trained in models.items():
+  for model_name, trained in trained_models.items():
     nnx.update(model, nnx.state(trained))
     dense_logits = {}
     for sweep, param, selector in selectors:
@@ -442,16 +511,16 @@ def evaluate(config, models, metrics):
     # Entropy over recall, lookup, aggregate and the first needle depth.
     inputs = np.concatenate([b.inputs for _, b in sets[:4]])
     answer = np.concatenate([b.answer_mask for _, b in sets[:4]])
-    for layer, ent in enumerate(_dense_stats(model, jnp.asarray(inputs))):
-      ent = np.asarray(ent)  # [b, h, s]
-      for head in range(ent.shape[1]):
+    for layer, ent in enumerate(_dense_entropy(model, jnp.asarray(inputs))):
+      ent = np.asarray(ent)  # [b, s, h]
+      for head in range(ent.shape[2]):
         metrics.write(
           kind="entropy",
           model=model_name,
           layer=layer,
           head=head,
-          entropy_all=float(np.mean(ent[:, head, 1:])),
-          entropy_answer=float(np.mean(ent[:, head][answer])),
+          entropy_all=float(np.mean(ent[:, 1:, head])),
+          entropy_answer=float(np.mean(ent[:, :, head][answer])),
           log_context=float(math.log(config.seq_len)),
         )
 
@@ -460,40 +529,44 @@ def evaluate(config, models, metrics):
 
 
 def _check_workdir(config, workdir):
-  """Refuses a workdir written with a different config; else writes it."""
-  os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, "config.json")
-  current = json.loads(config.to_json())
-  if os.path.exists(path):
-    with open(path) as f:
-      saved = json.load(f)
-    if saved != current:
-      raise ValueError(
-        f"{workdir=} holds a run with a different config.json; use a new "
-        "--workdir (or delete it) instead of mixing runs"
-      )
-  else:
-    with open(path, "w") as f:
-      json.dump(current, f, indent=1)
+  """Resumes a workdir of the same config, refuses another; else starts.
+
+  Only process 0 of a multi-host run writes (``_common.Workdir``).
+  """
+  return _common.Workdir(workdir, config, resumable=True)
 
 
-def run(config, workdir, should_stop=lambda: False):
-  """Trains, evaluates and reports; returns False if stopped early."""
+def _host_local(model):
+  """``model`` with its (global, sharded) weights copied to this host."""
+  state = parallel.fetch(nnx.state(model))  # numpy, on every process
+  nnx.update(model, jax.tree.map(jnp.asarray, state))
+  return model
+
+
+def run(config, workdir, should_stop=lambda: False, mesh=None):
+  """Trains, evaluates and reports; returns False if stopped early.
+
+  ``mesh``: train data parallel on it (see ``train_phase``); evaluation
+  then runs on host-local copies of the weights on every process.
+  """
   _check_workdir(config, workdir)
   metrics = Metrics(os.path.join(workdir, "metrics.jsonl"))
-  models = {}
+  trained = {}
   for phase in PHASES:
-    model, finished = train_phase(config, workdir, phase, metrics, should_stop)
+    model, finished = train_phase(
+      config, workdir, phase, metrics, should_stop, mesh
+    )
     if not finished:
       return False
     if phase != "base":
-      models[phase] = model
+      trained[phase] = model if mesh is None else _host_local(model)
   tick = time.time()
-  evaluate(config, models, metrics)
+  evaluate(config, trained, metrics)
   logging.info("evaluation took %.0f s", time.time() - tick)
-  from experiments import _native_topk_report as report  # needs matplotlib
+  if parallel.is_main_process():
+    from experiments import _native_topk_report as report  # matplotlib
 
-  report.write_report(config, workdir, metrics.rows)
+    report.write_report(config, workdir, metrics.rows)
   return True
 
 
@@ -506,18 +579,31 @@ def main(argv):
     logging.warning("signal %d: stopping after the current step", signum)
     stop.set()
 
+  _INIT_DISTRIBUTED()  # multi-host start-up (no-op on one process)
+  mesh = None
+  if _MESH.value or jax.process_count() > 1:
+    mesh = parallel.mesh_from_flag(_MESH.value)
+    logging.info(
+      "process %d of %d, mesh %s",
+      jax.process_index(),
+      jax.process_count(),
+      dict(mesh.shape),
+    )
   signal.signal(signal.SIGTERM, handler)
   signal.signal(signal.SIGINT, handler)
   tick = time.time()
-  finished = run(_CONFIG.value, _WORKDIR.value, stop.is_set)
+  with parallel.fail_fast():  # multi-host: a failed process ends at once
+    finished = run(_CONFIG.value, _WORKDIR.value, stop.is_set, mesh)
   logging.info(
     "%s in %.0f s", "finished" if finished else "stopped", time.time() - tick
   )
 
 
-if __name__ == "__main__":
-  # Flags only when run as a script, so other binaries can import this one
-  # (experiments/kv_retrieval trains its decoder with train_phase).
+def _define_flags():
+  """Defines the binary's flags (only when run as a script, so that other
+  binaries can import this module: experiments/kv_retrieval trains its
+  decoder with ``train_phase``)."""
+  global _CONFIG, _WORKDIR, _MESH, _INIT_DISTRIBUTED
   _CONFIG = config_flags.DEFINE_config_file(
     "config",
     None,
@@ -525,5 +611,12 @@ if __name__ == "__main__":
     lock_config=True,
   )
   _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+  # Empty: no mesh on one process; all devices on `data` on several.
+  _MESH = parallel.define_mesh_flag()
+  _INIT_DISTRIBUTED = parallel.define_distributed_flags()
   flags.mark_flags_as_required(["config", "workdir"])
+
+
+if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -31,7 +31,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app
 
 import jaxtopk
 from experiments import _common
@@ -332,12 +331,5 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
   }
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
-
-
 if __name__ == "__main__":
-  _CONFIG, _WORKDIR, _OVERWRITE = _common.define_flags(NAME)
-  app.run(main)
+  _common.app_main(NAME, run)

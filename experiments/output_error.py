@@ -20,7 +20,6 @@ output_error.png, summary.txt.
 
 import jax.numpy as jnp
 import numpy as np
-from absl import app
 
 from experiments import _common
 from experiments import _data
@@ -234,12 +233,5 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
   return {"identity": idents, "output_bound": bounds}
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
-
-
 if __name__ == "__main__":
-  _CONFIG, _WORKDIR, _OVERWRITE = _common.define_flags(NAME)
-  app.run(main)
+  _common.app_main(NAME, run)

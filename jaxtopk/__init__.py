@@ -5,6 +5,7 @@ a certificate bounding the softmax mass (total variation) it dropped.
 """
 
 from jaxtopk import kernels
+from jaxtopk import models
 from jaxtopk import nn
 from jaxtopk import parallel
 from jaxtopk import theory
@@ -20,14 +21,20 @@ from jaxtopk.attention import kv_index_from_cache
 from jaxtopk.attention import kv_index_update
 from jaxtopk.attention import rebuild_kv_index
 from jaxtopk.attention import topk_attention
+from jaxtopk.selection import Box
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Certified
+from jaxtopk.selection import DeltaSearch
 from jaxtopk.selection import Dense
+from jaxtopk.selection import Exact
 from jaxtopk.selection import FixedK
+from jaxtopk.selection import LowRank
+from jaxtopk.selection import MCSearch
 from jaxtopk.selection import Policy
 from jaxtopk.selection import PowerLaw
 from jaxtopk.selection import Ratio
 from jaxtopk.selection import Selection
+from jaxtopk.selection import UnsupportedPolicyError
 from jaxtopk.selection import certified_search
 from jaxtopk.selection import select
 

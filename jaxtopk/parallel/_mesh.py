@@ -1,4 +1,4 @@
-"""Device meshes with named axes, mesh flags, and multi-host start-up.
+"""Device meshes with named axes and mesh flags.
 
 jaxtopk names three mesh axes (DESIGN.md layer 6):
 
@@ -16,11 +16,11 @@ classic GSPMD behaviour that shard_map and NamedSharding users expect).
 
 Experiments take a ``--mesh`` flag such as ``data=4,heads=2`` (see
 ``define_mesh_flag`` and ``mesh_from_flag``) and call
-``maybe_initialize_distributed()`` first so the same binary runs multi-host.
+``maybe_initialize_distributed()`` (``_multihost.py``) first so the same
+binary runs multi-host.
 """
 
 import math
-import os
 import re
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -157,42 +157,6 @@ def define_mesh_flag(name: str = "mesh", default: str = "", flag_values=None):
     " Empty: all devices on data.",
     flag_values=flag_values if flag_values is not None else flags.FLAGS,
   )
-
-
-def maybe_initialize_distributed(
-  coordinator_address: str | None = None,
-  num_processes: int | None = None,
-  process_id: int | None = None,
-) -> bool:
-  """Calls ``jax.distributed.initialize`` when this is a multi-host run.
-
-  A run is multi-host when any argument is given, or when the environment
-  variable ``JAXTOPK_DISTRIBUTED=1`` is set (then jax auto-detects the
-  cluster: Cloud TPU pod slices, SLURM, Open MPI). Call it before any other
-  jax call. A second call is a no-op.
-
-  Args:
-    coordinator_address: ``host:port`` of process 0.
-    num_processes: number of processes (hosts).
-    process_id: this process' index.
-
-  Returns:
-    True when jax.distributed is (now) initialised.
-  """
-  args = dict(
-    coordinator_address=coordinator_address,
-    num_processes=num_processes,
-    process_id=process_id,
-  )
-  wanted = any(v is not None for v in args.values()) or (
-    os.environ.get("JAXTOPK_DISTRIBUTED", "") == "1"
-  )
-  if jax.distributed.is_initialized():
-    return True
-  if not wanted:
-    return False
-  jax.distributed.initialize(**{k: v for k, v in args.items() if v is not None})
-  return True
 
 
 def axis_or_none(mesh: jax.sharding.Mesh, name: str | None) -> str | None:

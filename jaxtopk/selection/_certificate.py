@@ -17,23 +17,55 @@ class Certificate:
 
   All arrays share one shape ``[...]``: for ``topk_attention`` that is
   ``[batch, q_len, num_heads]``, for ``select`` the leading axes of the
-  logits.
+  logits. Computed by ``jaxtopk.selection.core`` on every path.
+
+  What is bounded. For one row, let s_j = scale q.k_j + bias_j be the EXACT
+  logits (real arithmetic on the float inputs as stored, subnormals
+  included) of the real keys (mask True; a -inf logit is a key of zero
+  mass), P = softmax(s), H the kept set and P_hat = P renormalised on H.
+  Then tau = P(not H) = TV(P, P_hat) (THEORY 2.1), Attn = sum_j P_j v_j and
+  Attn_k = sum_{j in H} P_hat_j v_j, both exact.
+
+  What rounding is covered: the logits' (the d-term dot product, the scale
+  multiply and the rounding of ``scale`` itself, the bias add, subnormal
+  inputs and products that the CPU reads or flushes to 0; THEORY 3.4 via
+  ``core.logit_error_bound``), and every sum, exp and log of the
+  certificate's own computation (``core.log_slack``). For ``select``, the
+  given logits are taken as exact.
+
+  What is NOT covered: the rounding of the returned output itself, i.e.
+  ||output - Attn_k||: the weighted sum in the compute dtype (at most about
+  (n_kept + 8 + merges) eps_compute max_{j in H} ||v_j||, a few ulps of that
+  norm in practice) and the cast to the output dtype (half an ulp of each
+  component: 2^-8 relative for bfloat16, 2^-11 for float16). Bound the full
+  error of a returned output by output_error_bound plus that.
 
   Attributes:
-    tv_bound: float32 upper bound on TV(P, P_hat) = tau, the softmax mass of
-      the real (unmasked) keys that were dropped (THEORY 2.1). Never below the
-      float64 truth where ``valid`` (deterministic policies), or with
-      probability at least ``1 - failure_prob`` (MC-Search). NaN where not
+    tv_bound: float32 (float64 under x64) upper bound on tau, never below
+      the exact value where ``valid`` (deterministic policies), or with
+      probability at least ``1 - failure_prob`` (MC-Search). A positive
+      bound below the smallest normal float is rounded up to it (CPUs
+      flush subnormals); read ``log_tv_bound`` for tiny tails. It is 1 (a
+      trivial, sound bound) where the logit rounding cannot be bounded
+      (products that may overflow). NaN where not ``valid``.
+    log_tv_bound: log of ``tv_bound`` (-inf when nothing real was dropped),
+      accurate where ``tv_bound`` underflows. NaN where not ``valid``.
+    k_kept: int32 number of kept real keys (of positive mass); 0 where not
       ``valid``.
-    log_tv_bound: float32 log of ``tv_bound`` (-inf when nothing was dropped),
-      accurate where ``tv_bound`` underflows.
-    k_kept: int32 number of keys kept (attended to).
-    keys_scored: int32 number of full q.k products computed for the row (block
-      summaries are not counted; THEORY 6.4).
-    output_error_bound: float32 upper bound on ||Attn - Attn_k||_2 (THEORY
-      4.2/4.4), or None when the call was given no values.
-    valid: bool; False where nothing can be certified (the row has no real
-      key, or its logits are not finite). Other fields are then undefined.
+    keys_scored: int32 number of full q.k products computed for the row
+      (block summaries are not counted; THEORY 6.4; MC samples and low-rank
+      projections are).
+    output_error_bound: upper bound on ||Attn - Attn_k||_2 (THEORY 4.2/4.4:
+      tv_bound (max_{j in H} ||v_j|| + max_{j dropped} ||v_j||), rounded up,
+      never 0 below a positive truth, +inf only when the bound exceeds the
+      largest float or ``tv_bound`` is trivial), or None when the call was
+      given no values. NaN where not ``valid``.
+    valid: bool, the row validity rule of ``core``: True iff the row keeps
+      a real key of positive mass, none of its real keys has a NaN or +inf
+      logit, the values of its real keys are finite, the output is finite
+      and the scale is finite and > 0. A row with no real key (all masked,
+      all -inf, kv_len = 0) is invalid. Where False nothing is certified:
+      float fields are NaN, ``k_kept`` is 0 and the output is zeros.
     failure_prob: static float, the probability that the certificate fails;
       0.0 for deterministic policies, delta for MC-Search (THEORY 6.3).
   """

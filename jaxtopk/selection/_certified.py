@@ -1,10 +1,11 @@
 """``certified_search``: certified selection from queries and keys.
 
 THEORY 6.1-6.3. Unlike ``select`` (which is handed every logit), this entry
-point sees the queries and keys, so 'delta' and 'mc' searches can bound
-blocks of keys from cheap summaries (box and ball, THEORY 3.3) and score only
-the blocks they need. 'exact' scores every key and runs the threshold search.
-The certificate accounts for the float rounding of the logits it computed.
+point sees the queries and keys, so Delta- and MC-Search can bound blocks of
+keys from cheap summaries (box and ball, THEORY 3.3) and score only the
+blocks they need. ``Exact`` scores every key and runs the threshold search.
+The certificate (``core``) accounts for the float rounding of the logits it
+computed, subnormal inputs included.
 """
 
 import functools
@@ -12,12 +13,41 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxtopk.selection import _certify
 from jaxtopk.selection import _lowrank
 from jaxtopk.selection import _policies
 from jaxtopk.selection import _search
 from jaxtopk.selection import _select
-from jaxtopk.theory import _tail
+from jaxtopk.selection import _strategies
+from jaxtopk.selection import core
+
+# certified_search honours every policy field.
+SUPPORTS = _policies.capabilities(
+  "policy=Certified",
+  "search=exact",
+  "search=delta",
+  "search=mc",
+  "bound=box",
+  "bound=lowrank",
+  "max_topk",
+)
+
+
+def _row_logit_error(q, k, real, scale):
+  """``[r]`` delta of every logit q.k_i * scale of each row (core)."""
+  d = q.shape[-1]
+  kn = core.norms_up(k)  # [r, n]
+  k_norm = jnp.max(jnp.where(real, kn, 0.0), -1)  # [r]
+  k_absmax = jnp.max(jnp.where(real[..., None], jnp.abs(k), 0.0), -2)
+  abs_dot = core.abs_dot_box(q[:, None], k_absmax[:, None])[:, 0, 0]
+  return core.logit_error_bound(
+    q_norm=core.norms_up(q),
+    k_norm=k_norm,
+    head_dim=d,
+    scale=scale,
+    abs_dot=abs_dot,
+    q_flushed=core.flushed(q),
+    k_flushed=jnp.any(real & core.flushed(k), -1),
+  )
 
 
 @functools.partial(
@@ -37,79 +67,81 @@ def _certified_search(
   with_values,
 ):
   *lead, n, d = keys.shape
-  dt = _tail.compute_dtype(jnp.result_type(query.dtype, keys.dtype))
-  bs = policy.block_size
-  pad = -n % bs
-  q = query.astype(dt).reshape(-1, d)  # [r, d]
-  k = keys.astype(dt).reshape(-1, n, d)  # [r, n, d]
+  search = policy.search
+  # The flush checks read the inputs' own bits (bfloat16 subnormals are
+  # read as 0 once converted), so they run before the cast.
+  q_in = query.reshape(-1, d)
+  k_in = keys.reshape(-1, n, d)
+  dt = core.compute_dtype(jnp.result_type(query.dtype, keys.dtype))
+  q = q_in.astype(dt)  # [r, d]
+  k = k_in.astype(dt)  # [r, n, d]
   v_ok = valid.reshape(-1, n)
-  k = jnp.pad(k, ((0, 0), (0, pad), (0, 0)))
-  v_ok = jnp.pad(v_ok, ((0, 0), (0, pad)))
-  u, cnt, box = _search.block_bounds(
-    q,
-    k,
-    v_ok,
-    block_size=bs,
-    scale=scale,
-    use_ball=use_ball and policy.bound == "box",
-  )
-  abs_dot = _search.box_abs_dot(q[:, None], box, scale)[:, 0]  # [r]
+  delta = _row_logit_error(q_in, k_in, v_ok, scale)  # [r]
   norms = None
   if with_values:
-    norms = _certify.value_norms(values).reshape(-1, n)
-    norms = jnp.pad(norms, ((0, 0), (0, pad)))
-  if policy.search == "exact":
-    s = jnp.einsum("rd,rnd->rn", q, k) * scale  # [r, n + pad]
-    slack = 2 * _certify.logit_rounding(abs_dot, d + 1, dt)
-    sel = _select.select_with_slack(
-      s, policy, valid=v_ok, norms=norms, log_extra_slack=slack
+    norms = core.value_norms(values).reshape(-1, n)
+  if search.scores_all:
+    s = jnp.einsum("rd,rnd->rn", q, k) * scale  # [r, n]
+    sel = _select.select_rows(
+      s, policy, valid=v_ok, norms=norms, logit_error=delta
     )
     keep, cert = sel.keep, sel.certificate
-  elif policy.bound == "lowrank":
-    rank = min(policy.rank, d)
-    if projection is None:
-      proj = _lowrank.key_projection(k, v_ok, rank=rank)  # [r, d, rank]
-    else:
-      proj = projection.astype(dt).reshape(-1, d, projection.shape[-1])
-      rank = projection.shape[-1]
-    u_key = _lowrank.lowrank_upper_bound(q, k, proj, scale=scale)  # [r, n]
-    fn = functools.partial(
-      _lowrank.lowrank_search_row,
-      eps=policy.eps,
-      block_size=bs,
-      scale=scale,
-      rank=rank,
-    )
-    s, keep, scored, log_tv, n_sc = jax.vmap(fn)(q, k, v_ok, u_key, abs_dot)
   else:
-    rngs = jax.random.split(rng, q.shape[0])
-    fn = functools.partial(
-      _search.search_row,
-      search=policy.search,
-      eps=policy.eps,
-      block_size=bs,
-      scale=scale,
-      num_samples=policy.num_samples,
-      delta=policy.delta,
+    bs = search.block_size
+    pad = -n % bs
+    k = jnp.pad(k, ((0, 0), (0, pad), (0, 0)))
+    v_ok = jnp.pad(v_ok, ((0, 0), (0, pad)))
+    if norms is not None:
+      norms = jnp.pad(norms, ((0, 0), (0, pad)))
+    vn_rows = norms if norms is not None else jnp.zeros(v_ok.shape, dt)
+    if isinstance(policy.bound, _strategies.LowRank):
+      rank = min(policy.rank, d)
+      if projection is None:
+        proj = _lowrank.key_projection(k, v_ok, rank=rank)  # [r, d, rank]
+      else:
+        proj = projection.astype(dt).reshape(-1, d, projection.shape[-1])
+        rank = projection.shape[-1]
+      u_key = _lowrank.lowrank_upper_bound(q, k, proj, scale=scale)  # [r, n]
+      fn = functools.partial(
+        _lowrank.lowrank_search_row,
+        eps=policy.eps,
+        block_size=bs,
+        scale=scale,
+        rank=rank,
+        max_topk=policy.max_topk,
+      )
+      u_key = u_key + delta[:, None]  # also bounds flushed-input logits
+      s, keep, _, part = jax.vmap(
+        lambda *a: fn(*a[:-1], value_norms=a[-1] if with_values else None)
+      )(q, k, v_ok, u_key, delta, vn_rows)
+    else:
+      u, cnt, _ = _search.block_bounds(
+        q,
+        k,
+        v_ok,
+        block_size=bs,
+        scale=scale,
+        use_ball=use_ball,
+      )
+      # Box and ball bounds are computed from the inputs as read (subnormals
+      # as 0): the logit error bound covers what that drops.
+      u = u + delta[:, None]
+      rngs = jax.random.split(rng, q.shape[0])
+      fn = functools.partial(
+        _search.search_row_partial,
+        search=search,
+        eps=policy.eps,
+        scale=scale,
+        max_topk=policy.max_topk,
+      )
+      s, keep, _, part = jax.vmap(
+        lambda *a: fn(*a[:-1], value_norms=a[-1] if with_values else None)
+      )(q, k, v_ok, u, cnt, delta, rngs, vn_rows)
+    _, cert = part.finalize(
+      n_terms=k.shape[1] + k.shape[1] // bs,
+      failure_prob=search.failure_prob,
     )
-    s, keep, scored, log_tv, n_sc = jax.vmap(fn)(
-      q, k, v_ok, u, cnt, abs_dot, rngs
-    )
-  if policy.search != "exact":
-    finite = jnp.all(jnp.where(scored, jnp.isfinite(s), True), -1)
-    ok = jnp.any(v_ok, -1) & finite & jnp.all(jnp.isfinite(q), -1)
-    keep = keep & ok[:, None]
-    cert = _certify.finish_certificate(
-      log_tv,
-      ok,
-      k_kept=jnp.sum(keep, -1, dtype=jnp.int32),
-      keys_scored=n_sc,
-      head_max_norm=None if norms is None else _certify.max_norm(norms, keep),
-      tail_max_norm=None
-      if norms is None
-      else _certify.max_norm(norms, v_ok & ~keep),
-      failure_prob=policy.delta if policy.search == "mc" else 0.0,
-    )
+    keep = keep & cert.valid[:, None]
   keep = keep[:, :n].reshape(*lead, n)
   cert = jax.tree.map(lambda x: x.reshape(lead), cert)
   return _select.Selection(keep=keep, k_kept=cert.k_kept, certificate=cert)
@@ -143,6 +175,13 @@ def certified_search(
   scored in decreasing order of that bound, and ``keys_scored`` also counts
   the projected products as ceil(n_real r / head_dim) key-equivalents.
 
+  Every field of the policy is honoured: the search strategy and its fields,
+  ``bound``, and ``max_topk`` (a row whose certified set is larger keeps the
+  ``max_topk`` largest scored logits and reports its true, larger bound).
+  The certificate covers the rounding of the logits computed here,
+  subnormal inputs included (``core.logit_error_bound``); block bounds are
+  widened by the same amount, so they bound the exact logits.
+
   Args:
     query: ``[..., head_dim]`` one query per row.
     keys: ``[..., n_keys, head_dim]`` with the same leading axes.
@@ -159,42 +198,49 @@ def certified_search(
 
   Returns:
     A Selection with ``keep`` ``[..., n_keys]`` and a Certificate ``[...]``;
-    tv_bound <= eps on every valid row (for 'mc' with probability at least
-    ``1 - policy.delta``, recorded in ``failure_prob``).
+    tv_bound <= eps on every valid row unless ``max_topk`` caps it or the
+    logit rounding is unbounded (for 'mc' with probability at least
+    ``1 - policy.delta``, recorded in ``failure_prob``). With no keys
+    (n_keys = 0) every row is invalid.
 
   Raises:
-    TypeError: if ``policy`` is not ``Certified``.
-    ValueError: on mismatched shapes, bad scale, or 'mc' without ``key``.
+    TypeError: if ``policy`` is not ``Certified``, or an input is not real
+      floating, a mask not boolean, a scale not a number.
+    ValueError: on mismatched shapes, a scale not finite and > 0, or 'mc'
+      without ``key``.
   """
   if not isinstance(policy, _policies.Certified):
     raise TypeError(f"certified_search needs a Certified policy; got {policy=}")
-  query, keys = jnp.asarray(query), jnp.asarray(keys)
+  policy.require("certified_search", SUPPORTS)
+  query = _select.check_logits(query, "query")
+  keys = _select.check_logits(keys, "keys")
   if keys.ndim < 2 or query.shape != keys.shape[:-2] + keys.shape[-1:]:
     raise ValueError(
       f"query must be [..., head_dim] and keys [..., n_keys, head_dim] with"
       f" the same leading axes; got {query.shape=}, {keys.shape=}"
     )
   n, d = keys.shape[-2:]
-  scale = 1.0 / d**0.5 if scale is None else float(scale)
-  if not scale > 0:
-    raise ValueError(f"{scale=} must be > 0")
+  if d == 0:
+    raise ValueError(f"head_dim must be >= 1; got {keys.shape=}")
+  if scale is None:
+    scale = 1.0 / d**0.5
+  else:
+    scale = _strategies.as_float("scale", scale, low=0)
   lead_n = keys.shape[:-1]
   valid = jnp.ones(lead_n, bool)
   if mask is not None:
-    try:
-      valid = jnp.broadcast_to(jnp.asarray(mask, bool), lead_n)
-    except ValueError:
-      raise ValueError(
-        f"mask shape {jnp.shape(mask)} does not broadcast to {lead_n}"
-      ) from None
+    valid = _select.check_mask(mask, lead_n)
   if values is not None:
-    values = jnp.asarray(values)
+    values = _select.check_logits(values, "values")
     if values.shape[:-1] != lead_n:
       raise ValueError(f"values must be [..., n_keys, d_v]; {values.shape=}")
-  if policy.search == "mc" and key is None:
-    raise ValueError("search='mc' needs a PRNG key: pass key=")
+  if policy.search.needs_rng and key is None:
+    raise ValueError(
+      f"Certified.search={policy.search!r} needs a PRNG key: pass key="
+    )
+  lowrank = isinstance(policy.bound, _strategies.LowRank)
   if projection is not None:
-    if policy.bound != "lowrank":
+    if not lowrank:
       raise ValueError(f"projection= needs bound='lowrank'; got {policy=}")
     projection = jnp.asarray(projection)
     if projection.ndim < 2 or projection.shape[-2] != d:
@@ -210,6 +256,8 @@ def certified_search(
         f"projection shape {projection.shape} does not broadcast to the"
         f" leading axes {keys.shape[:-2]}"
       ) from None
+  if n == 0:
+    return _select._empty(jnp.zeros(lead_n, keys.dtype), values)
   rng = jax.random.key(0) if key is None else key
   return _certified_search(
     query,

@@ -37,24 +37,21 @@ every query that reads those keys (a GQA group, all decode steps, all
 queries of a prefill), and not counted, as summaries are not (THEORY 6.4).
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.scipy.special import logsumexp
 
-from jaxtopk.selection import _certify
 from jaxtopk.selection import _search
-from jaxtopk.theory import _tail
+from jaxtopk.selection import _strategies
+from jaxtopk.selection import core
 
 
 def _norm_up(x, axis=-1):
-  """||x||_2 over ``axis``, rounded up; squares scaled by max |x| first.
-
-  Unscaled, |x| ~ 1e-28 squares to 0 on a CPU (flushed subnormals) and the
-  norm, hence the bound, would sit below the truth.
-  """
-  return _certify.value_norms(jnp.moveaxis(x, axis, -1))
+  """||x||_2 over ``axis``, rounded up (``core.norms_up``: no underflow)."""
+  return core.norms_up(x, axis)
 
 
 def _eps(x):
@@ -76,7 +73,7 @@ def key_projection(keys, valid, *, rank) -> jax.Array:
     eigenvalue last; zeros where the eigensolver returned non-finite values
     (every P keeps ``lowrank_upper_bound`` sound).
   """
-  keys = keys.astype(_tail.compute_dtype(keys.dtype))
+  keys = keys.astype(core.compute_dtype(keys.dtype))
   k = jnp.where(valid[..., None], keys, 0.0)
   # Normalise first so that K^T K cannot overflow for huge keys.
   big = jnp.max(jnp.abs(k), axis=(-2, -1), keepdims=True)
@@ -126,7 +123,7 @@ def lowrank_upper_bound(query, keys, proj, *, scale) -> jax.Array:
   Returns:
     ``[..., n]`` float32 upper bounds (float64 for float64 inputs).
   """
-  dt = _tail.compute_dtype(jnp.result_type(query, keys, proj))
+  dt = core.compute_dtype(jnp.result_type(query, keys, proj))
   query, keys, proj = query.astype(dt), keys.astype(dt), proj.astype(dt)
   eps = _eps(keys)
   a_q = jnp.einsum("...d,...dr->...r", query, proj)  # [..., r]
@@ -150,7 +147,18 @@ def lowrank_upper_bound(query, keys, proj, *, scale) -> jax.Array:
 
 
 def lowrank_search_row(
-  q, keys, valid, u_key, abs_dot, *, eps, block_size, scale, rank
+  q,
+  keys,
+  valid,
+  u_key,
+  logit_error,
+  *,
+  eps,
+  block_size,
+  scale,
+  rank,
+  max_topk=None,
+  value_norms=None,
 ):
   """Delta-Search for ONE row over keys sorted by their low-rank bound.
 
@@ -158,16 +166,20 @@ def lowrank_search_row(
     q: ``[d]`` query (compute dtype).
     keys: ``[n, d]`` keys (n a multiple of block_size).
     valid: ``[n]`` bool.
-    u_key: ``[n]`` per-key logit bounds from ``lowrank_upper_bound``.
-    abs_dot: scalar >= scale * max_i sum_c |q_c k_ic| (logit rounding).
+    u_key: ``[n]`` per-key bounds on the EXACT logits (from
+      ``lowrank_upper_bound``).
+    logit_error: scalar delta of the scored logits.
     eps: TV budget.
     block_size: static block size (keys per block of the sorted order).
     scale: logit scale.
     rank: static rank r of the projection (for the counted cost).
+    max_topk: optional cap on the kept set.
+    value_norms: optional ``[n]`` value norms.
 
   Returns:
-    As ``_search.search_row``, in the original key order; ``keys_scored``
-    includes ceil(n_real r / d) for the projected dot products.
+    As ``_search.search_row_partial``, in the original key order; the
+    Partial's ``keys_scored`` includes ceil(n_real r / d) for the projected
+    dot products.
   """
   n, d = keys.shape
   nb = n // block_size
@@ -184,25 +196,26 @@ def lowrank_search_row(
   top = jnp.where(jnp.isfinite(top), top, 0.0)
   lse = logsumexp(ub, axis=-1, where=vb)
   log_cnt = jnp.log(jnp.maximum(cnt, 1).astype(ub.dtype))
-  slack = 8 * _eps(ub) * (jnp.abs(top) + block_size + 4)
+  slack = 8 * _eps(ub) * (jnp.abs(top) + jnp.abs(lse) + block_size + 4)
   u_eff = jnp.where(cnt > 0, lse - log_cnt + slack, -jnp.inf)
-  # The log-sum-exps of the search see |u_eff| + log n, not only |s_i|.
-  big = jnp.max(jnp.where(cnt > 0, jnp.abs(u_eff), 0.0)) + jnp.log(n)
-  abs_dot = jnp.maximum(abs_dot, big)
-  s, keep, scored, log_tv, n_sc = _search.search_row(
+  vn = None if value_norms is None else value_norms[order]
+  strategy = _strategies.DeltaSearch(block_size=block_size)
+  s, keep, scored, part = _search.search_row_partial(
     q,
     ks,
     vs,
     u_eff,
     cnt,
-    abs_dot,
+    logit_error,
     None,
-    search="delta",
+    search=strategy,
     eps=eps,
-    block_size=block_size,
     scale=scale,
+    max_topk=max_topk,
+    value_norms=vn,
   )
   back = lambda x: jnp.zeros_like(x).at[order].set(x)  # noqa: E731
   n_real = jnp.sum(valid, dtype=jnp.int32)
   proj_cost = (n_real * rank + d - 1) // d  # ceil(n_real r / d)
-  return back(s), back(keep), back(scored), log_tv, n_sc + proj_cost
+  part = dataclasses.replace(part, keys_scored=part.keys_scored + proj_cost)
+  return back(s), back(keep), back(scored), part

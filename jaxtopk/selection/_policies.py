@@ -1,26 +1,100 @@
 """Selection policies: which keys a Top-k attention row keeps.
 
 Frozen, hashable dataclasses, so a policy can be a static argument of jit and
-a field of a Flax module. Each validates itself on construction and names the
-bad value.
+a field of a Flax module. Each validates itself on construction (numpy and
+JAX scalars are normalised to Python numbers; bools, non-finite and
+out-of-range values are refused, naming the field and value) and carries its
+behaviour:
 
-- ``FixedK(topk)``: the ``topk`` largest logits.
-- ``Ratio(rho)``: the ``ceil(rho * n)`` largest logits (THEORY 8.1).
-- ``PowerLaw(alpha, c)``: the ``ceil(alpha * n**c)`` largest (THEORY 7.1).
+- Fixed-count policies (``FixedCount``) know their kept count, statically
+  (``num_kept(n)``) and per row for traced real-key counts
+  (``row_num_kept(n_real, n_keys)``):
+  ``FixedK(topk)``: the ``topk`` largest logits;
+  ``Ratio(rho)``: the ``ceil(rho * n)`` largest (THEORY 8.1);
+  ``PowerLaw(alpha, c)``: the ``ceil(alpha * n**c)`` largest (THEORY 7.1);
+  ``Dense()``: every key (the dense reference, with a certificate of 0).
 - ``Certified(eps, search=...)``: the smallest set whose dropped mass is
-  certified ``<= eps`` (THEORY 6.1-6.3).
-- ``Dense()``: every key (the dense reference, with a certificate of 0).
+  certified ``<= eps`` (THEORY 6.1-6.3); its search is a strategy object
+  (``Exact``, ``DeltaSearch``, ``MCSearch``; ``_strategies``).
 
-Here ``n`` is the number of real (unmasked) keys of the row when the policy is
-evaluated per row, or the static key length when a static count is needed.
+Here ``n`` is the number of real keys of the row (mask True and logit not
+-inf) when the policy is evaluated per row, or the static key length when a
+static count is needed.
+
+Capabilities: a backend declares what it honours as a set of feature names
+(``capabilities(...)``, e.g. ``{'policy=Certified', 'search=exact',
+'max_topk'}``) and calls ``policy.require(backend, supports)``, which raises
+``UnsupportedPolicyError`` naming the first field it cannot honour, e.g.
+"Certified.max_topk=4 is not supported by decode_attention(implementation=
+'pallas')". Every field of every policy maps to a feature (``features()``),
+so a field is either honoured or refused by name on every path.
 """
 
 import dataclasses
+import functools
 import math
-from typing import Literal
+from collections.abc import Iterable
 
-SEARCHES = ("exact", "delta", "mc")
-BOUNDS = ("box", "lowrank")
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtopk.selection import _strategies
+from jaxtopk.selection._strategies import Box
+from jaxtopk.selection._strategies import DeltaSearch
+from jaxtopk.selection._strategies import Exact
+from jaxtopk.selection._strategies import KeyBound
+from jaxtopk.selection._strategies import LowRank
+from jaxtopk.selection._strategies import MCSearch
+from jaxtopk.selection._strategies import SearchStrategy
+from jaxtopk.selection._strategies import as_float
+from jaxtopk.selection._strategies import as_int
+
+# Every feature name a policy can ask for (see ``Policy.features``).
+FEATURES = frozenset(
+  {
+    "policy=Dense",
+    "policy=FixedK",
+    "policy=Ratio",
+    "policy=PowerLaw",
+    "policy=Certified",
+    "search=exact",
+    "search=delta",
+    "search=mc",
+    "bound=box",
+    "bound=lowrank",
+    "max_topk",
+  }
+)
+
+# Exact per-row counts up to this many keys (a table lookup); beyond it the
+# count formula runs in floats with a relative guard of 1e-6.
+_TABLE_MAX = 1 << 16
+
+
+class UnsupportedPolicyError(NotImplementedError, ValueError):
+  """A backend cannot honour a policy field (raised by ``Policy.require``)."""
+
+
+def capabilities(*features: str) -> frozenset[str]:
+  """The feature set of a backend, with every name checked.
+
+  Args:
+    *features: names from ``FEATURES`` (e.g. 'policy=FixedK',
+      'search=delta', 'bound=lowrank', 'max_topk').
+
+  Returns:
+    A frozenset for ``Policy.require``.
+
+  Raises:
+    ValueError: for a name that is not a feature.
+  """
+  unknown = set(features) - FEATURES
+  if unknown:
+    raise ValueError(
+      f"unknown features {sorted(unknown)}; known: {sorted(FEATURES)}"
+    )
+  return frozenset(features)
 
 
 class Policy:
@@ -30,37 +104,116 @@ class Policy:
     """Static number of kept keys for a row of ``n`` keys; None if dynamic."""
     return None
 
+  def features(self) -> tuple[tuple[str, object, str], ...]:
+    """``(field, value, feature)`` for every field this policy asks for.
+
+    ``field`` names it in errors (``'Certified.max_topk'``), ``value`` is its
+    value, ``feature`` its capability name (one of ``FEATURES``).
+    """
+    name = type(self).__name__
+    return ((name, self, f"policy={name}"),)
+
+  def require(self, backend: str, supports: Iterable[str]) -> None:
+    """Raises unless ``backend`` honours every field of this policy.
+
+    Args:
+      backend: how the backend is named in the message, e.g.
+        "decode_attention(implementation='pallas')".
+      supports: the backend's feature names (``capabilities(...)``).
+
+    Raises:
+      UnsupportedPolicyError: naming the first field and value that the
+        backend does not support, and what it does support.
+    """
+    supports = frozenset(supports)
+    for field, value, feature in self.features():
+      if feature not in supports:
+        if field == type(self).__name__:
+          what = f"{value!r}"
+        else:
+          what = f"{field}={value!r}"
+        raise UnsupportedPolicyError(
+          f"{what} is not supported by {backend}; it supports"
+          f" {sorted(supports)}"
+        )
+
+
+class FixedCount(Policy):
+  """Base of the fixed-count policies: a kept count per row."""
+
+  def num_kept(self, n: int) -> int:
+    raise NotImplementedError
+
+  def row_num_kept(self, n_real, n_keys: int) -> jax.Array:
+    """Per-row kept count for rows of ``n_real`` real keys (traced).
+
+    Equals ``num_kept(n_real)`` exactly for ``n_keys <= 65536`` (a table of
+    the static counts); beyond, the formula in float32 with a relative guard
+    of 1e-6 (within one key of it). Rows with no real key keep 0.
+
+    Args:
+      n_real: ``[...]`` int number of real keys of each row (<= n_keys).
+      n_keys: static length of the key axis.
+
+    Returns:
+      ``[...]`` int32 in [min(1, n_real), n_real].
+    """
+    n_real = jnp.asarray(n_real, jnp.int32)
+    if n_keys <= _TABLE_MAX:
+      table = jnp.asarray(_count_table(self, n_keys))
+      return table[jnp.clip(n_real, 0, n_keys)]
+    k = self._float_count(n_real.astype(jnp.float32))
+    k = jnp.clip(k.astype(jnp.int32), jnp.minimum(n_real, 1), n_real)
+    return jnp.where(n_real == n_keys, self.num_kept(n_keys), k)
+
+  def _float_count(self, nf):
+    raise NotImplementedError
+
+
+@functools.lru_cache(maxsize=64)
+def _count_table(policy, n_keys: int) -> np.ndarray:
+  """``[n_keys + 1]`` int32: ``policy.num_kept(j)`` for j >= 1, 0 for j = 0."""
+  counts = [0] + [policy.num_kept(j) for j in range(1, n_keys + 1)]
+  return np.asarray(counts, np.int32)
+
+
+def _post(self, name, value):
+  object.__setattr__(self, name, value)
+
 
 @dataclasses.dataclass(frozen=True)
-class Dense(Policy):
+class Dense(FixedCount):
   """Keep every key: dense attention with a (zero) certificate."""
 
   def num_kept(self, n: int) -> int:
     return n
 
+  def row_num_kept(self, n_real, n_keys: int) -> jax.Array:
+    return jnp.asarray(n_real, jnp.int32)
+
 
 @dataclasses.dataclass(frozen=True)
-class FixedK(Policy):
+class FixedK(FixedCount):
   """Keep the ``topk`` largest logits of each row (fewer if the row is short).
 
   Attributes:
-    topk: number of kept keys, >= 1.
+    topk: number of kept keys, an int >= 1.
   """
 
   topk: int
 
   def __post_init__(self):
-    if isinstance(self.topk, bool) or not isinstance(self.topk, int):
-      raise TypeError(f"FixedK.topk must be an int; got {self.topk!r}")
-    if self.topk < 1:
-      raise ValueError(f"FixedK.topk={self.topk} must be >= 1")
+    _post(self, "topk", as_int("FixedK.topk", self.topk, minimum=1))
 
   def num_kept(self, n: int) -> int:
     return min(self.topk, n)
 
+  def row_num_kept(self, n_real, n_keys: int) -> jax.Array:
+    return jnp.minimum(jnp.asarray(n_real, jnp.int32), self.topk)
+
 
 @dataclasses.dataclass(frozen=True)
-class Ratio(Policy):
+class Ratio(FixedCount):
   """Keep the ``ceil(rho * n)`` largest logits (at least one).
 
   Attributes:
@@ -70,19 +223,25 @@ class Ratio(Policy):
   rho: float
 
   def __post_init__(self):
-    if not (isinstance(self.rho, int | float) and 0.0 < self.rho <= 1.0):
-      raise ValueError(f"Ratio.rho={self.rho!r} must be in (0, 1]")
+    _post(
+      self,
+      "rho",
+      as_float("Ratio.rho", self.rho, low=0, high=1, high_open=False),
+    )
 
   def num_kept(self, n: int) -> int:
     return max(1, min(n, math.ceil(self.rho * n - 1e-9)))
 
+  def _float_count(self, nf):
+    return jnp.ceil(self.rho * nf * (1 - 1e-6))
+
 
 @dataclasses.dataclass(frozen=True)
-class PowerLaw(Policy):
+class PowerLaw(FixedCount):
   """Dynamic window k = ceil(alpha * n**c) of [NC] (THEORY 7.1).
 
   Attributes:
-    alpha: positive multiplier.
+    alpha: positive finite multiplier.
     c: exponent in (0, 1].
   """
 
@@ -90,74 +249,206 @@ class PowerLaw(Policy):
   c: float
 
   def __post_init__(self):
-    if not (isinstance(self.alpha, int | float) and self.alpha > 0):
-      raise ValueError(f"PowerLaw.alpha={self.alpha!r} must be > 0")
-    if not (isinstance(self.c, int | float) and 0.0 < self.c <= 1.0):
-      raise ValueError(f"PowerLaw.c={self.c!r} must be in (0, 1]")
+    _post(self, "alpha", as_float("PowerLaw.alpha", self.alpha, low=0))
+    _post(
+      self, "c", as_float("PowerLaw.c", self.c, low=0, high=1, high_open=False)
+    )
 
   def num_kept(self, n: int) -> int:
     return max(1, min(n, math.ceil(self.alpha * n**self.c - 1e-9)))
 
+  def _float_count(self, nf):
+    return jnp.ceil(self.alpha * nf**self.c * (1 - 1e-6))
 
-@dataclasses.dataclass(frozen=True)
+
+_LEGACY = ("block_size", "delta", "num_samples", "bound", "rank")
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class Certified(Policy):
   """Keep the fewest keys whose dropped mass is certified <= eps.
 
-  THEORY 6.1-6.3. The certificate's tv_bound is <= eps on every valid row.
+  THEORY 6.1-6.3. The certificate's tv_bound is <= eps on every valid row
+  (unless ``max_topk`` caps the kept set; the row then reports its true,
+  larger bound).
+
+  Construction: ``Certified(eps, search)`` with ``search`` a strategy
+  (``Exact()``, ``DeltaSearch(block_size, bound)``, ``MCSearch(block_size,
+  delta, num_samples)``) or its name, 'exact', 'delta' or 'mc', with the
+  strategy's fields as keywords: ``Certified(0.05, 'delta',
+  block_size=32)``, ``Certified(eps, 'delta', bound='lowrank', rank=16)``,
+  ``Certified(0.01, 'mc', delta=0.05, num_samples=4)``. A keyword that the
+  chosen search does not read (``Certified(0.1, delta=0.05)``, exact) is
+  refused by name, as is a keyword given next to a strategy object.
 
   Attributes:
     eps: TV budget in (0, 1).
-    search: 'exact' (all logits scored, minimal certified set by threshold
-      search), 'delta' (Delta-Search: blocks scored in order of their upper
-      bounds until the blockwise bound certifies eps), or 'mc' (MC-Search:
-      sampled block masses, certificate holds with probability >= 1 - delta).
-    block_size: keys per block for 'delta' and 'mc'.
-    delta: failure probability of the 'mc' certificate, in (0, 1).
-    num_samples: keys sampled per block by 'mc'.
-    max_topk: optional static cap on the kept set (for fixed-shape outputs);
-      a row that cannot meet eps within it reports its true (larger) bound.
-    bound: how 'delta' bounds unscored keys: 'box' (block box and ball
-      summaries, THEORY 3.3) or 'lowrank' (per-key bounds from a rank-
-      ``rank`` projection of the keys, ``certified_search`` only; its
-      projected dot products are counted in ``keys_scored``).
-    rank: rank of the 'lowrank' projection (capped at head_dim).
+    search: the search strategy (a ``SearchStrategy``).
+    max_topk: optional static cap on the kept set (fixed-shape outputs); a
+      row that cannot meet eps within it keeps the ``max_topk`` largest
+      scored logits and reports its true (larger) bound.
+
+  Read-only views of the strategy's fields (None where the search has no
+  such field): ``block_size``, ``delta``, ``num_samples``, ``bound`` (a
+  ``KeyBound``), ``rank``; ``failure_prob`` (delta for MC-Search, else 0).
   """
 
   eps: float
-  search: Literal["exact", "delta", "mc"] = "exact"
-  block_size: int = 64
-  delta: float = 0.01
-  num_samples: int = 8
-  max_topk: int | None = None
-  bound: Literal["box", "lowrank"] = "box"
-  rank: int = 16
+  search: SearchStrategy
+  max_topk: int | None
 
-  def __post_init__(self):
-    if not (isinstance(self.eps, int | float) and 0.0 < self.eps < 1.0):
-      raise ValueError(f"Certified.eps={self.eps!r} must be in (0, 1)")
-    if self.search not in SEARCHES:
-      raise ValueError(
-        f"Certified.search={self.search!r} must be one of {SEARCHES}"
+  def __init__(
+    self,
+    eps,
+    search="exact",
+    block_size=None,
+    delta=None,
+    num_samples=None,
+    max_topk=None,
+    bound=None,
+    rank=None,
+  ):
+    _post(self, "eps", as_float("Certified.eps", eps, low=0, high=1))
+    given = dict(
+      block_size=block_size,
+      delta=delta,
+      num_samples=num_samples,
+      bound=bound,
+      rank=rank,
+    )
+    given = {k: v for k, v in given.items() if v is not None}
+    _post(self, "search", _make_search(search, given))
+    if max_topk is not None:
+      max_topk = as_int("Certified.max_topk", max_topk, minimum=1)
+    _post(self, "max_topk", max_topk)
+
+  def features(self) -> tuple[tuple[str, object, str], ...]:
+    out = [("Certified", self, "policy=Certified")]
+    out.append(("Certified.search", self.search, self.search.feature))
+    if isinstance(self.search, DeltaSearch):
+      out.append(
+        ("Certified.bound", self.search.bound, self.search.bound.feature)
       )
-    if not (isinstance(self.block_size, int) and self.block_size >= 1):
-      raise ValueError(f"Certified.block_size={self.block_size!r} must be >= 1")
-    if not (isinstance(self.delta, int | float) and 0.0 < self.delta < 1.0):
-      raise ValueError(f"Certified.delta={self.delta!r} must be in (0, 1)")
-    if not (isinstance(self.num_samples, int) and self.num_samples >= 1):
+    if self.max_topk is not None:
+      out.append(("Certified.max_topk", self.max_topk, "max_topk"))
+    return tuple(out)
+
+  @property
+  def block_size(self) -> int:
+    return self.search.block_size
+
+  @property
+  def delta(self) -> float | None:
+    return getattr(self.search, "delta", None)
+
+  @property
+  def num_samples(self) -> int | None:
+    return getattr(self.search, "num_samples", None)
+
+  @property
+  def bound(self) -> KeyBound | None:
+    return getattr(self.search, "bound", None)
+
+  @property
+  def rank(self) -> int | None:
+    return getattr(self.bound, "rank", None)
+
+  @property
+  def failure_prob(self) -> float:
+    return self.search.failure_prob
+
+
+def _make_search(search, given) -> SearchStrategy:
+  """Normalises ``Certified``'s search argument and keywords to a strategy."""
+  if isinstance(search, SearchStrategy):
+    if given:
+      k, v = next(iter(given.items()))
       raise ValueError(
-        f"Certified.num_samples={self.num_samples!r} must be >= 1"
+        f"Certified.{k}={v!r} conflicts with search={search!r}: set it on"
+        " the strategy"
       )
-    if self.max_topk is not None and not (
-      isinstance(self.max_topk, int) and self.max_topk >= 1
-    ):
-      raise ValueError(f"Certified.max_topk={self.max_topk!r} must be >= 1")
-    if self.bound not in BOUNDS:
+    return search
+  if not isinstance(search, str):
+    raise TypeError(
+      f"Certified.search={search!r} must be a SearchStrategy (Exact(),"
+      f" DeltaSearch(...), MCSearch(...)) or one of"
+      f" {sorted(_strategies.SEARCHES)}"
+    )
+  if search not in _strategies.SEARCHES:
+    raise ValueError(
+      f"Certified.search={search!r} must be one of"
+      f" {sorted(_strategies.SEARCHES)}"
+    )
+  allowed = {
+    "exact": ("block_size",),
+    "delta": ("block_size", "bound", "rank"),
+    "mc": ("block_size", "delta", "num_samples"),
+  }[search]
+  for k, v in given.items():
+    if k not in allowed:
       raise ValueError(
-        f"Certified.bound={self.bound!r} must be one of {BOUNDS}"
+        f"Certified.{k}={v!r} is not read by search={search!r} (it applies"
+        f" to {_users(k)}); remove it"
       )
-    if self.bound == "lowrank" and self.search != "delta":
+  kw = {
+    k: given[k] for k in ("block_size", "delta", "num_samples") if k in given
+  }
+  if search != "delta":
+    return _strategies.SEARCHES[search](**kw)
+  bound = given.get("bound", "box")
+  rank = given.get("rank")
+  if isinstance(bound, KeyBound):
+    if rank is not None:
       raise ValueError(
-        f"Certified.bound='lowrank' needs search='delta'; got {self.search=}"
+        f"Certified.rank={rank!r} conflicts with bound={bound!r}: set it on"
+        " the bound"
       )
-    if not (isinstance(self.rank, int) and self.rank >= 1):
-      raise ValueError(f"Certified.rank={self.rank!r} must be an int >= 1")
+  elif not isinstance(bound, str):
+    raise TypeError(
+      f"Certified.bound={bound!r} must be 'box', 'lowrank' or a KeyBound"
+    )
+  elif bound not in _strategies.BOUNDS:
+    raise ValueError(
+      f"Certified.bound={bound!r} must be one of {sorted(_strategies.BOUNDS)}"
+    )
+  elif bound == "lowrank":
+    bound = LowRank(16 if rank is None else rank)
+  elif rank is not None:
+    raise ValueError(
+      f"Certified.rank={rank!r} is not read by bound='box' (it applies to"
+      " bound='lowrank'); remove it"
+    )
+  else:
+    bound = Box()
+  return DeltaSearch(bound=bound, **kw)
+
+
+def _users(field):
+  return {
+    "block_size": "every search",
+    "delta": "search='mc'",
+    "num_samples": "search='mc'",
+    "bound": "search='delta'",
+    "rank": "search='delta' with bound='lowrank'",
+  }[field]
+
+
+__all__ = [
+  "Box",
+  "Certified",
+  "DeltaSearch",
+  "Dense",
+  "Exact",
+  "FEATURES",
+  "FixedCount",
+  "FixedK",
+  "KeyBound",
+  "LowRank",
+  "MCSearch",
+  "Policy",
+  "PowerLaw",
+  "Ratio",
+  "SearchStrategy",
+  "UnsupportedPolicyError",
+  "capabilities",
+]

@@ -10,9 +10,11 @@ every scored key kept certifies tau <= eps:
 
 Then, among the scored keys, the smallest kept set that still meets eps is
 found by the radix threshold search with U_unscored as fixed extra tail
-(``budget_mask``). The returned certificate is
-``jaxtopk.theory.blockwise_log_bound`` of that kept set, rounded up for the
-float rounding of the scored logits.
+(``budget_mask``), capped at ``Certified.max_topk`` when given. The
+certificate is THEORY 3.3's blockwise bound of that kept set, built by the
+certificate core: a ``core.Partial`` of the scored keys with the unscored
+blocks' bounds in its tail, rounded up for the float rounding of the scored
+logits (``core.logit_error_bound``, subnormal inputs included).
 
 - Delta-Search: U_b = |B_b| e^{u_b} with u_b the minimum of the box and ball
   bounds (``theory.box_upper_bound``, ``theory.ball_upper_bound``).
@@ -33,18 +35,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy.special import logsumexp
 
-from jaxtopk.selection import _certify
+from jaxtopk.selection import _strategies
 from jaxtopk.selection import _threshold
+from jaxtopk.selection import core
 from jaxtopk.theory import _blockwise
-from jaxtopk.theory import _tail
 
 
-def search_margin(n, dt, log_extra_slack):
-  """Log margin the searches aim below eps (see ``certified_log_budget``)."""
-  return 3 * _tail.log_slack(n, dt) + 2 * log_extra_slack
-
-
-def scored_search_row(q, kb, vb, log_mass, *, scale, log_eps, log_extra_slack):
+def scored_search_row(q, kb, vb, log_mass, *, scale, log_eps, margin):
   """Scores blocks of one row in decreasing ``log_mass`` until certified.
 
   Args:
@@ -55,7 +52,8 @@ def scored_search_row(q, kb, vb, log_mass, *, scale, log_eps, log_extra_slack):
       sum_i e^{s_i} (-inf for empty blocks).
     scale: logit scale.
     log_eps: log of the budget eps.
-    log_extra_slack: scalar slack the final certificate will add.
+    margin: log margin the search aims below eps
+      (``core.search_log_margin``).
 
   Returns:
     ``(buf, scored_block, log_unscored)``: ``buf`` ``[nb, bs]`` logits of
@@ -69,7 +67,6 @@ def scored_search_row(q, kb, vb, log_mass, *, scale, log_eps, log_extra_slack):
   # suffix[j] = log sum of the bounds of blocks order[j:], suffix[nb] = -inf
   suffix = lax.cumlogsumexp(w, axis=0, reverse=True)
   suffix = jnp.concatenate([suffix, jnp.full((1,), -jnp.inf, dt)])
-  margin = search_margin(nb * bs + nb, dt, log_extra_slack)
   target = log_eps - margin
 
   def certified(j, lse_s):
@@ -84,7 +81,7 @@ def scored_search_row(q, kb, vb, log_mass, *, scale, log_eps, log_extra_slack):
     j, lse_s, buf = state
     blk = order[j]
     s = (kb[blk] @ q) * scale  # [bs]
-    lse_b = logsumexp(s, where=vb[blk])
+    lse_b = logsumexp(s, where=vb[blk] & (s > -jnp.inf))
     return j + 1, jnp.logaddexp(lse_s, lse_b), buf.at[blk].set(s)
 
   init = (jnp.int32(0), jnp.asarray(-jnp.inf, dt), jnp.zeros((nb, bs), dt))
@@ -93,29 +90,16 @@ def scored_search_row(q, kb, vb, log_mass, *, scale, log_eps, log_extra_slack):
   return buf, rank < j, suffix[j]
 
 
-def _finish_row(q, kb, vb, u, cnt, buf, scored_block, log_unscored, **kw):
-  """Kept set among the scored keys and its blockwise log bound."""
-  log_eps, slack = kw["log_eps"], kw["log_extra_slack"]
-  nb, bs = vb.shape
-  dt = q.dtype
-  scored = scored_block[:, None] & vb  # [nb, bs]
-  lse_s = logsumexp(buf, where=scored)
-  margin = search_margin(nb * bs + nb, dt, slack)
+def _keep_row(buf, scored, log_unscored, *, log_eps, margin, max_topk):
+  """Fewest scored keys meeting eps (then capped at ``max_topk``)."""
+  real = scored & (buf > -jnp.inf)
+  lse_s = logsumexp(buf, where=real)
   log_budget = log_eps + jnp.logaddexp(lse_s, log_unscored) - margin
-  keep = _threshold.budget_mask(
-    buf.reshape(-1), log_budget, scored.reshape(-1), log_unscored
-  )
-  unsc_cnt = jnp.where(scored_block, 0, cnt)
-  log_tv = _blockwise.blockwise_log_bound_row(
-    buf.reshape(-1),
-    keep,
-    scored.reshape(-1),
-    u,
-    unsc_cnt,
-    vb.reshape(-1),
-  )
-  log_tv = log_tv + slack
-  return keep, scored.reshape(-1), jnp.minimum(log_tv, 0.0)
+  keep = _threshold.budget_mask(buf, log_budget, real, log_unscored)
+  if max_topk is not None and max_topk < buf.shape[-1]:
+    capped = _threshold.topk_mask(buf, max_topk, real)
+    keep = jnp.where(jnp.sum(keep) > max_topk, capped, keep)
+  return keep & real
 
 
 def block_bounds(query, keys, valid, *, block_size, scale, use_ball=True):
@@ -142,10 +126,10 @@ def block_bounds(query, keys, valid, *, block_size, scale, use_ball=True):
 
 
 def box_abs_dot(query, box, scale) -> jax.Array:
-  """``[...]`` scale * max over blocks of sum_c |q_c| max(|m_c|, |M_c|).
+  """``[..., g]`` scale * max over blocks of sum_c |q_c| max(|m_c|, |M_c|).
 
-  Bounds scale * sum_c |q_c k_c| for every key in a non-empty block, for the
-  logit rounding slack (``_certify.logit_rounding``).
+  Bounds scale * sum_c |q_c k_c| for every key in a non-empty block
+  (``core.abs_dot_box`` over the block boxes, maximised over blocks).
 
   Args:
     query: ``[..., g, d]``, g queries sharing the keys (GQA group).
@@ -156,12 +140,10 @@ def box_abs_dot(query, box, scale) -> jax.Array:
     ``[..., g]``.
   """
   a = jnp.maximum(jnp.abs(box.kmin), jnp.abs(box.kmax))  # [..., nb, d]
-  # An einsum, not sum(|q|[..., None, :] * a, -1): XLA:CPU runs that
-  # broadcast-multiply-reduce ~50x slower than the equivalent dot.
-  per = jnp.einsum("...gd,...nd->...gn", jnp.abs(query), a)  # [..., g, nb]
+  per = core.abs_dot_box(query, a)  # [..., g, nb]
   per = jnp.where(box.count[..., None, :] > 0, per, 0.0)
-  d = a.shape[-1]
-  return scale * jnp.max(per, -1) * (1 + (d + 4) * jnp.finfo(per.dtype).eps)
+  dt = per.dtype
+  return scale * jnp.max(per, -1) * (1 + 2 * jnp.finfo(dt).eps)
 
 
 def box_upper_bound_dot(query, box, *, scale) -> jax.Array:
@@ -227,6 +209,110 @@ def _mc_log_mass_row(q, kb, vb, u, cnt, rng, *, scale, num_samples, delta):
   return log_mass, u_eff
 
 
+def search_row_partial(
+  q,
+  keys,
+  valid,
+  u,
+  cnt,
+  logit_error,
+  rng,
+  *,
+  search,
+  eps,
+  scale,
+  max_topk=None,
+  value_norms=None,
+):
+  """Delta- or MC-Search for ONE row; see the module docstring.
+
+  Args:
+    q: ``[d]`` query (compute dtype).
+    keys: ``[n, d]`` keys (n a multiple of ``search.block_size``).
+    valid: ``[n]`` bool.
+    u: ``[nb]`` sound bounds on the block's EXACT logits (-inf for empty
+      blocks; add the logit error to bounds computed from flushed inputs).
+    cnt: ``[nb]`` int32 real keys per block.
+    logit_error: scalar delta of the scored logits
+      (``core.logit_error_bound``).
+    rng: PRNG key (used by MC-Search only).
+    search: a ``DeltaSearch`` or ``MCSearch`` strategy.
+    eps: TV budget.
+    scale: logit scale.
+    max_topk: optional cap on the kept set (``Certified.max_topk``).
+    value_norms: optional ``[n]`` value norms (for the output bound).
+
+  Returns:
+    ``(logits, keep, scored, partial)``: ``[n]`` logits (0 where not
+    scored), ``[n]`` bool kept and scored keys, and the row's
+    ``core.Partial`` (every scored key, plus the unscored blocks' bounds in
+    its tail; ``keys_scored`` counts q.k products, MC samples included).
+  """
+  n, d = keys.shape
+  block_size = search.block_size
+  nb = n // block_size
+  dt = q.dtype
+  kb = keys.astype(dt).reshape(nb, block_size, d)
+  vb = valid.reshape(nb, block_size)
+  delta = jnp.asarray(logit_error, dt)
+  log_eps = jnp.log(jnp.asarray(eps, dt))
+  margin = core.search_log_margin(n + nb, delta, dt)
+  n_samp = jnp.int32(0)
+  if search.name == "delta":
+    log_mass = jnp.where(
+      cnt > 0, u + jnp.log(jnp.maximum(cnt, 1).astype(dt)), -jnp.inf
+    )
+    u_eff = u
+  elif search.name == "mc":
+    log_mass, u_eff = _mc_log_mass_row(
+      q,
+      kb,
+      vb,
+      u,
+      cnt,
+      rng,
+      scale=scale,
+      num_samples=search.num_samples,
+      delta=search.delta,
+    )
+    n_samp = search.num_samples * jnp.sum(cnt > 0).astype(jnp.int32)
+  else:
+    raise ValueError(f"{search=} must be DeltaSearch or MCSearch")
+  buf, sblk, log_un = scored_search_row(
+    q, kb, vb, log_mass, scale=scale, log_eps=log_eps, margin=margin
+  )
+  scored = (sblk[:, None] & vb).reshape(-1)
+  buf = buf.reshape(-1)
+  keep = _keep_row(
+    buf,
+    scored,
+    log_un,
+    log_eps=log_eps,
+    margin=margin,
+    max_topk=max_topk,
+  )
+  n_sc = jnp.sum(jnp.where(sblk, cnt, 0)).astype(jnp.int32)
+  part = core.Partial.from_logits(
+    buf,
+    keep,
+    scored,
+    logit_error=delta,
+    value_norms=value_norms,
+    keys_scored=n_sc + n_samp,
+  )
+  unscored = ~sblk & (cnt > 0)
+  block_norms = None
+  if value_norms is not None:
+    vn = jnp.where(vb, value_norms.reshape(nb, block_size), 0.0)
+    block_norms = jnp.max(vn, -1)  # [nb]
+  part = part.add_tail(
+    u_eff + jnp.log(jnp.maximum(cnt, 1).astype(dt)),
+    unscored,
+    norms=block_norms,
+  )
+  return buf, keep, scored, part
+
+
 def search_row(
   q,
   keys,
@@ -243,65 +329,24 @@ def search_row(
   num_samples=8,
   delta=0.01,
 ):
-  """Delta- or MC-Search for ONE row; see the module docstring.
+  """``search_row_partial`` with the old arguments; returns a log bound.
 
-  Args:
-    q: ``[d]`` query (compute dtype).
-    keys: ``[n, d]`` keys (n a multiple of block_size).
-    valid: ``[n]`` bool.
-    u: ``[nb]`` sound block logit bounds (-inf for empty blocks).
-    cnt: ``[nb]`` int32 real keys per block.
-    abs_dot: scalar >= scale * max_i sum_c |q_c k_ic| (logit rounding).
-    rng: PRNG key (used by 'mc' only).
-    search: 'delta' or 'mc'.
-    eps: TV budget.
-    block_size: static block size.
-    scale: logit scale.
-    num_samples: MC samples per block.
-    delta: MC failure probability.
-
-  Returns:
-    ``(logits, keep, scored, log_tv, keys_scored)``: ``[n]`` logits (0 where
-    not scored), ``[n]`` bool kept and scored keys, scalar log tau bound and
-    int32 number of q.k products.
+  ``abs_dot`` >= scale max_i sum_c |q_c k_ic|; subnormal inputs are not
+  covered (no norms). Returns ``(logits, keep, scored, log_tv,
+  keys_scored)``.
   """
-  n, d = keys.shape
-  nb = n // block_size
-  dt = q.dtype
-  kb = keys.astype(dt).reshape(nb, block_size, d)
-  vb = valid.reshape(nb, block_size)
-  # |s_i| <= abs_dot for every key (and |u_b| <= abs_dot): rounding of the
-  # scored logits (2 delta) plus the magnitude slack of the log-sum-exps.
-  slack = 2 * _certify.logit_rounding(abs_dot, d + 1, dt)
-  slack = slack + 8 * jnp.finfo(dt).eps * abs_dot
-  log_eps = jnp.log(jnp.asarray(eps, dt))
-  n_samp = jnp.int32(0)
+  # TODO(core): callers switch to search_row_partial (strategy + delta).
   if search == "delta":
-    log_mass = jnp.where(
-      cnt > 0, u + jnp.log(jnp.maximum(cnt, 1).astype(dt)), -jnp.inf
-    )
-    u_eff = u
-  elif search == "mc":
-    log_mass, u_eff = _mc_log_mass_row(
-      q, kb, vb, u, cnt, rng, scale=scale, num_samples=num_samples, delta=delta
-    )
-    n_samp = num_samples * jnp.sum(cnt > 0).astype(jnp.int32)
+    strategy = _strategies.DeltaSearch(block_size=block_size)
   else:
-    raise ValueError(f"{search=} must be 'delta' or 'mc'")
-  buf, sblk, log_un = scored_search_row(
-    q, kb, vb, log_mass, scale=scale, log_eps=log_eps, log_extra_slack=slack
+    strategy = _strategies.MCSearch(
+      block_size=block_size, delta=delta, num_samples=num_samples
+    )
+  d = keys.shape[-1]
+  err = core.logit_error_bound(abs_dot=abs_dot, head_dim=d, scale=1.0)
+  s, keep, scored, part = search_row_partial(
+    q, keys, valid, u, cnt, err, rng, search=strategy, eps=eps, scale=scale
   )
-  keep, scored, log_tv = _finish_row(
-    q,
-    kb,
-    vb,
-    u_eff,
-    cnt,
-    buf,
-    sblk,
-    log_un,
-    log_eps=log_eps,
-    log_extra_slack=slack,
-  )
-  n_sc = jnp.sum(jnp.where(sblk, cnt, 0)).astype(jnp.int32)
-  return buf.reshape(-1), keep, scored, log_tv, n_sc + n_samp
+  _, cert = part.finalize(n_terms=s.shape[-1] + cnt.shape[-1])
+  log_tv = jnp.where(cert.valid, cert.log_tv_bound, 0.0)
+  return s, keep, scored, log_tv, part.keys_scored

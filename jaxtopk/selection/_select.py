@@ -1,12 +1,13 @@
 """``select``: apply a policy to logits, return kept keys and a Certificate.
 
 THEORY 6.1 and 6.5. Every policy reports its certificate (a FixedK user
-learns what FixedK cost). Policies are dispatched through ``_SELECTORS``, a
-table from policy type to a function, so a new policy joins by adding one
-entry. Delta- and MC-Search need the queries and keys (they score only part
-of the row): use ``certified_search`` for those; ``select`` with them on
-given logits falls back to 'exact' search over the (already computed) logits
-and says so in ``keys_scored`` (= every real key).
+learns what FixedK cost). Fixed-count policies carry their count
+(``FixedCount.row_num_kept``); ``Certified`` keeps the fewest keys meeting
+eps. Given logits, every key is already scored, so the Delta- and MC-Search
+strategies (which exist to skip scoring) are honoured by the exact search:
+its certificate is deterministic (failure_prob 0, stronger than MC's) and
+``keys_scored`` counts every real key; use ``certified_search`` with queries
+and keys to skip blocks. The certificate comes from ``core``.
 """
 
 import dataclasses
@@ -16,11 +17,13 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import logsumexp
 
-from jaxtopk.selection import _certify
 from jaxtopk.selection import _policies
 from jaxtopk.selection import _threshold
+from jaxtopk.selection import core
 from jaxtopk.selection._certificate import Certificate
-from jaxtopk.theory import _tail
+
+# ``select`` honours every field of every policy (see the module docstring).
+SUPPORTS = _policies.FEATURES
 
 
 @jax.tree_util.register_dataclass
@@ -30,7 +33,7 @@ class Selection:
 
   Attributes:
     keep: ``[..., n_keys]`` bool, True for a kept (attended) key; never True
-      for a masked key; all False on an invalid row.
+      for a masked key or a key of logit -inf; all False on an invalid row.
     k_kept: ``[...]`` int32 number of kept keys.
     certificate: Certificate with arrays shaped ``[...]``.
   """
@@ -41,109 +44,145 @@ class Selection:
 
 
 def count_kept(policy, n_valid, n_static) -> jax.Array:
-  """Per-row kept count of a fixed-count policy for rows of ``n_valid`` keys.
-
-  Uses the policy's own ``num_kept`` when every row has all ``n_static``
-  keys (no mask), so counts match ``policy.num_kept(n)`` exactly; otherwise
-  evaluates the same formula in floats with a relative guard of 1e-6.
-  """
-  if isinstance(policy, _policies.Dense):
-    return n_valid
-  if isinstance(policy, _policies.FixedK):
-    return jnp.minimum(n_valid, policy.topk)
-  static = policy.num_kept(n_static)
-  nf = n_valid.astype(jnp.float32)
-  if isinstance(policy, _policies.Ratio):
-    k = jnp.ceil(policy.rho * nf * (1 - 1e-6))
-  elif isinstance(policy, _policies.PowerLaw):
-    k = jnp.ceil(policy.alpha * nf**policy.c * (1 - 1e-6))
-  else:
+  """Per-row kept count of a fixed-count policy (``row_num_kept``)."""
+  # TODO(core): callers switch to policy.row_num_kept(n_real, n_keys).
+  if not isinstance(policy, _policies.FixedCount):
     raise TypeError(f"{policy=} has no fixed count")
-  k = jnp.clip(k.astype(jnp.int32), jnp.minimum(n_valid, 1), n_valid)
-  return jnp.where(n_valid == n_static, static, k)
+  return policy.row_num_kept(n_valid, n_static)
 
 
-def certified_log_budget(eps, logits, valid, log_extra_slack):
-  """log of the dropped mass allowed so that the rounded-up bound <= eps.
+def keep_mask(s, policy, real, *, logit_error=0.0) -> jax.Array:
+  """The policy's kept set over rows whose every logit is known.
 
-  The certificate adds ``log_slack`` and ``log_extra_slack`` to log tau; the
-  search therefore aims below eps by those amounts plus an equal margin for
-  the rounding of the search's own sums.
+  Args:
+    s: ``[..., n]`` logits in the compute dtype (no gradient needed).
+    policy: a selection policy.
+    real: ``[..., n]`` bool keys that may be kept (real, logit not -inf).
+    logit_error: ``[...]`` delta of the logits (``core.logit_error_bound``);
+      Certified aims below eps by ``core.search_log_margin``.
+
+  Returns:
+    ``[..., n]`` bool, a subset of ``real``.
   """
-  dt = logits.dtype
-  lse = logsumexp(logits, axis=-1, where=valid)
-  margin = 3 * _tail.log_slack(logits.shape[-1], dt) + 2 * log_extra_slack
-  margin = margin + 2 * _certify.magnitude_slack(logits, valid)
-  return jnp.log(jnp.asarray(eps, dt)) + lse - margin
-
-
-def _select_fixed(policy, s, valid, log_extra_slack):
-  n_valid = jnp.sum(valid, axis=-1, dtype=jnp.int32)
-  topk = count_kept(policy, n_valid, s.shape[-1])
+  n = s.shape[-1]
   if isinstance(policy, _policies.Dense):
-    return valid
-  return _threshold.topk_mask(s, topk, valid)
-
-
-def _select_certified(policy, s, valid, log_extra_slack):
-  log_budget = certified_log_budget(policy.eps, s, valid, log_extra_slack)
-  keep = _threshold.budget_mask(s, log_budget, valid)
-  if policy.max_topk is not None:
-    capped = _threshold.topk_mask(s, policy.max_topk, valid)
+    return real
+  if isinstance(policy, _policies.FixedCount):
+    n_real = jnp.sum(real, axis=-1, dtype=jnp.int32)
+    return _threshold.topk_mask(s, policy.row_num_kept(n_real, n), real)
+  if not isinstance(policy, _policies.Certified):
+    raise TypeError(f"{policy=} is not a selection policy")
+  lse = logsumexp(s, axis=-1, where=real)
+  margin = core.search_log_margin(n, logit_error, s.dtype)
+  log_budget = jnp.log(jnp.asarray(policy.eps, s.dtype)) + lse - margin
+  keep = _threshold.budget_mask(s, log_budget, real)
+  if policy.max_topk is not None and policy.max_topk < n:
+    capped = _threshold.topk_mask(s, policy.max_topk, real)
     over = jnp.sum(keep, -1) > policy.max_topk
     keep = jnp.where(over[..., None], capped, keep)
-  return keep
+  return keep & real
 
 
-_SELECTORS = {
-  _policies.Dense: _select_fixed,
-  _policies.FixedK: _select_fixed,
-  _policies.Ratio: _select_fixed,
-  _policies.PowerLaw: _select_fixed,
-  _policies.Certified: _select_certified,
-}
-
-
-def _check_policy(policy):
-  if type(policy) not in _SELECTORS:
-    raise TypeError(
-      f"{policy=} is not a selection policy; expected one of"
-      f" {[t.__name__ for t in _SELECTORS]}"
-    )
-
-
-def select_with_slack(
-  logits, policy, *, valid, norms=None, log_extra_slack=0.0
+def select_rows(
+  logits, policy, *, valid, norms=None, logit_error=0.0, keys_scored=None
 ) -> Selection:
-  """``select`` on validated arrays, with extra log slack for computed logits.
+  """``select`` on validated arrays (the internal entry point).
 
   Args:
     logits: ``[..., n]`` float logits (any float dtype; math in float32, or
       float64 for float64 input).
     policy: a selection policy.
-    valid: ``[..., n]`` bool.
-    norms: optional ``[..., n]`` (broadcastable) value norms, for the
-      output-error bound.
-    log_extra_slack: ``[...]`` or scalar, added to the certificate's log tau
-      (2 x the logit rounding bound when logits came from q and k).
+    valid: ``[..., n]`` bool real keys.
+    norms: optional ``[..., n]`` (broadcastable) ``core.value_norms``.
+    logit_error: ``[...]`` or scalar delta of the logits (0 when exact).
+    keys_scored: optional ``[...]`` int; default every real key.
 
   Returns:
     A Selection.
   """
-  _check_policy(policy)
-  s = jax.lax.stop_gradient(logits).astype(_tail.compute_dtype(logits.dtype))
-  log_extra_slack = jax.lax.stop_gradient(jnp.asarray(log_extra_slack, s.dtype))
-  keep = _SELECTORS[type(policy)](policy, s, valid, log_extra_slack)
-  ok = _certify.row_validity(s, valid)
-  keep = keep & valid & ok[..., None]
-  cert = _certify.make_certificate(
+  dt = core.compute_dtype(logits.dtype)
+  s = jax.lax.stop_gradient(logits).astype(dt)
+  delta = jax.lax.stop_gradient(jnp.asarray(logit_error, dt))
+  valid = jnp.broadcast_to(valid, s.shape)
+  real = valid & (s > -jnp.inf)  # -inf: a key of zero mass, never kept
+  keep = keep_mask(s, policy, real, logit_error=delta)
+  if norms is not None:
+    norms = jax.lax.stop_gradient(norms)
+  cert = core.certificate_from_logits(
     s,
     keep,
     valid,
-    norms=None if norms is None else jax.lax.stop_gradient(norms),
-    log_extra_slack=log_extra_slack,
+    logit_error=delta,
+    value_norms=norms,
+    keys_scored=keys_scored,
   )
+  keep = keep & cert.valid[..., None]
   return Selection(keep=keep, k_kept=cert.k_kept, certificate=cert)
+
+
+def select_with_slack(
+  logits, policy, *, valid, norms=None, log_extra_slack=0.0
+) -> Selection:
+  """``select_rows`` with the old log-slack argument (2 x logit error)."""
+  # TODO(core): callers switch to select_rows(..., logit_error=delta).
+  delta = jnp.asarray(log_extra_slack) / 2
+  return select_rows(
+    logits, policy, valid=valid, norms=norms, logit_error=delta
+  )
+
+
+def _empty(logits, values) -> Selection:
+  """The result for rows with no key (n_keys = 0): invalid, nothing kept."""
+  lead = logits.shape[:-1]
+  dt = core.compute_dtype(logits.dtype)
+  cert = core.finish_certificate(
+    jnp.zeros(lead, dt),
+    jnp.zeros(lead, bool),
+    k_kept=0,
+    keys_scored=0,
+    head_norm=None if values is None else jnp.zeros(lead, dt),
+    tail_norm=None if values is None else jnp.zeros(lead, dt),
+  )
+  keep = jnp.zeros(logits.shape, bool)
+  return Selection(keep=keep, k_kept=cert.k_kept, certificate=cert)
+
+
+def check_logits(logits, name="logits") -> jax.Array:
+  """``logits`` as a real floating array with a key axis, or a clear error."""
+  logits = jnp.asarray(logits)
+  if logits.ndim == 0:
+    raise ValueError(f"{name} must have a key axis; got {logits.shape=}")
+  if not jnp.issubdtype(logits.dtype, jnp.floating):
+    raise TypeError(
+      f"{name} must be a real floating array; got {name}.dtype={logits.dtype}"
+    )
+  return logits
+
+
+def check_mask(mask, shape, name="mask") -> jax.Array:
+  """A boolean mask broadcast to ``shape``, or a clear error."""
+  mask = jnp.asarray(mask)
+  if mask.dtype != jnp.bool_:
+    raise TypeError(
+      f"{name} must be boolean (True = real key); got {name}.dtype="
+      f"{mask.dtype} (an additive mask goes in bias=)"
+    )
+  try:
+    return jnp.broadcast_to(mask, shape)
+  except ValueError:
+    raise ValueError(
+      f"{name} shape {mask.shape} does not broadcast to {shape}"
+    ) from None
+
+
+def check_policy(policy, backend: str, supports) -> None:
+  """Raises TypeError for a non-policy, else ``policy.require``."""
+  if not isinstance(policy, _policies.Policy):
+    raise TypeError(
+      f"{policy=} is not a selection policy; expected Dense, FixedK, Ratio,"
+      " PowerLaw or Certified"
+    )
+  policy.require(backend, supports)
 
 
 def select(logits, policy, *, mask=None, values=None, key=None) -> Selection:
@@ -155,13 +194,15 @@ def select(logits, policy, *, mask=None, values=None, key=None) -> Selection:
   index); ``Certified(eps)`` keeps the fewest keys whose dropped mass is
   certified <= eps (all keys tied at the threshold are kept, so the set is
   minimal up to ties). The certificate's tv_bound is the exact tail mass of
-  the kept set, rounded up (never below the float64 truth).
+  the kept set, rounded up (never below the float64 truth); the logits are
+  taken as exact. A -inf logit is a key of zero mass (like a masked key):
+  never kept, never counted (``n`` of Ratio / PowerLaw counts the others).
 
   Args:
-    logits: ``[..., n_keys]`` logits, any float dtype.
+    logits: ``[..., n_keys]`` logits, any real float dtype.
     policy: ``Dense``, ``FixedK``, ``Ratio``, ``PowerLaw`` or ``Certified``.
-      ``Certified(search='delta'|'mc')`` needs queries and keys to save
-      work; given logits it runs the 'exact' search on them.
+      ``Certified`` with a Delta- or MC-Search strategy runs the exact
+      search here (every logit is given; see the module docstring).
     mask: optional bool broadcastable to ``logits``, True for a real key.
     values: optional ``[..., n_keys, d_v]``; when given, the certificate
       carries an output-error bound (THEORY 4.2/4.4).
@@ -169,11 +210,13 @@ def select(logits, policy, *, mask=None, values=None, key=None) -> Selection:
 
   Returns:
     Selection with ``keep`` ``[..., n_keys]``, ``k_kept`` ``[...]`` and a
-    Certificate of shape ``[...]``. A row with no real key (or non-finite
-    logits) keeps nothing and has ``certificate.valid = False``.
+    Certificate of shape ``[...]``. A row with no real key, a NaN or +inf
+    real logit, or a non-finite real value keeps nothing and has
+    ``certificate.valid = False``; so do all rows when ``n_keys = 0``.
 
   Raises:
-    TypeError: if ``policy`` is not a policy.
+    TypeError: if ``policy`` is not a policy, ``logits`` not real floating
+      or ``mask`` not boolean.
     ValueError: if ``mask`` or ``values`` does not fit ``logits``.
 
   Example:
@@ -183,24 +226,14 @@ def select(logits, policy, *, mask=None, values=None, key=None) -> Selection:
     ([True, False, True], 2)
   """
   del key
-  logits = jnp.asarray(logits)
-  if logits.ndim == 0:
-    raise ValueError(f"logits must have a key axis; got {logits.shape=}")
-  if not jnp.issubdtype(logits.dtype, jnp.floating):
-    raise ValueError(f"logits must be floating; got {logits.dtype=}")
-  _check_policy(policy)
+  logits = check_logits(logits)
+  check_policy(policy, "select", SUPPORTS)
   if mask is None:
     # The barrier keeps XLA from constant-folding reductions over an
     # all-True mask (seconds of compile time at n = 262,144).
     valid = jax.lax.optimization_barrier(jnp.ones(logits.shape, bool))
   else:
-    mask = jnp.asarray(mask, bool)
-    try:
-      valid = jnp.broadcast_to(mask, logits.shape)
-    except ValueError:
-      raise ValueError(
-        f"mask shape {mask.shape} does not broadcast to {logits.shape=}"
-      ) from None
+    valid = check_mask(mask, logits.shape)
   if values is not None:
     values = jnp.asarray(values)
     if values.shape[:-1] != logits.shape:
@@ -208,10 +241,14 @@ def select(logits, policy, *, mask=None, values=None, key=None) -> Selection:
         f"values must be [..., n_keys, d_v] matching {logits.shape=}; got"
         f" {values.shape=}"
       )
+    if not jnp.issubdtype(values.dtype, jnp.floating):
+      raise TypeError(f"values must be real floating; got {values.dtype=}")
+  if logits.shape[-1] == 0:
+    return _empty(logits, values)
   return _select_jit(logits, policy, valid, values)
 
 
 @functools.partial(jax.jit, static_argnames="policy")
 def _select_jit(logits, policy, valid, values):
-  norms = None if values is None else _certify.value_norms(values)
-  return select_with_slack(logits, policy, valid=valid, norms=norms)
+  norms = None if values is None else core.value_norms(values)
+  return select_rows(logits, policy, valid=valid, norms=norms)

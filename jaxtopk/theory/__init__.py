@@ -1,6 +1,6 @@
 """Bound theory for one attention row, vmapped over leading axes.
 
-See ../shared/THEORY.md; every function cites its section.
+THEORY.md (repository root) is the math; every function cites its section.
 """
 
 from jaxtopk.theory._blockwise import BallSummary

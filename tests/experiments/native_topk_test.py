@@ -10,6 +10,7 @@ import pytest
 from absl.testing import absltest
 from flax import nnx
 
+from experiments import _common
 from experiments import native_topk
 from experiments.configs import native_topk as native_topk_config
 from jaxtopk import tasks
@@ -143,7 +144,9 @@ class NativeTopkSmokeTest(absltest.TestCase):
     native_topk._check_workdir(config, workdir)
     with config.unlocked():
       config.seed = 1
-    with self.assertRaisesRegex(ValueError, "different config"):
+    with self.assertRaisesRegex(
+      _common.WorkdirNotEmptyError, "different config"
+    ):
       native_topk._check_workdir(config, workdir)
 
 

@@ -1,10 +1,11 @@
-"""The usage examples in jaxtopk.nn docstrings run and print what they say."""
+"""The usage examples in jaxtopk.nn and jaxtopk.models docstrings run."""
 
 import doctest
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
+from jaxtopk.models import _decoder
 from jaxtopk.nn import _attention
 from jaxtopk.nn import _attention_fn
 from jaxtopk.nn import _certificates
@@ -14,7 +15,7 @@ from jaxtopk.nn import _linen
 class DocstringExampleTest(parameterized.TestCase):
   @parameterized.named_parameters(
     (m.__name__.rsplit(".", 1)[-1], m)
-    for m in (_attention, _attention_fn, _certificates, _linen)
+    for m in (_attention, _attention_fn, _certificates, _linen, _decoder)
   )
   def test_examples(self, module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

@@ -48,7 +48,7 @@ class BenchScalingSmokeTest(absltest.TestCase):
       r.args, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600
     )
     self.assertNotEqual(again.returncode, 0)
-    self.assertIn("refusing", again.stderr + again.stdout)
+    self.assertIn("--overwrite", again.stderr + again.stdout)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,4 @@
-"""Mesh helpers: flag parsing, mesh construction, multi-host start-up."""
-
-import os
-from unittest import mock
+"""Mesh helpers: flag parsing and mesh construction."""
 
 import jax
 from absl import flags
@@ -67,33 +64,6 @@ class MeshFlagTest(absltest.TestCase):
     self.assertEqual(holder.value, "data=1,kv=-1")
     mesh = parallel.mesh_from_flag(holder.value, devices=jax.devices()[:1])
     self.assertEqual(mesh.axis_names, ("data", "kv"))
-
-
-class DistributedTest(absltest.TestCase):
-  def test_single_host_does_not_initialize(self):
-    with mock.patch.dict(os.environ, {"JAXTOPK_DISTRIBUTED": ""}):
-      with mock.patch.object(jax.distributed, "initialize") as init:
-        self.assertFalse(parallel.maybe_initialize_distributed())
-        init.assert_not_called()
-
-  def test_arguments_are_passed_through(self):
-    with mock.patch.object(jax.distributed, "is_initialized", lambda: False):
-      with mock.patch.object(jax.distributed, "initialize") as init:
-        self.assertTrue(
-          parallel.maybe_initialize_distributed(
-            coordinator_address="10.0.0.1:1234", num_processes=4, process_id=2
-          )
-        )
-        init.assert_called_once_with(
-          coordinator_address="10.0.0.1:1234", num_processes=4, process_id=2
-        )
-
-  def test_env_triggers_autodetect(self):
-    with mock.patch.dict(os.environ, {"JAXTOPK_DISTRIBUTED": "1"}):
-      with mock.patch.object(jax.distributed, "is_initialized", lambda: False):
-        with mock.patch.object(jax.distributed, "initialize") as init:
-          self.assertTrue(parallel.maybe_initialize_distributed())
-          init.assert_called_once_with()
 
 
 if __name__ == "__main__":

@@ -92,7 +92,8 @@ class SearchTest(parameterized.TestCase):
   def test_scores_fewer_keys_on_clustered_rows(self, search, eps, bs):
     k = _clustered(0, 4, 512, 8)
     q = 2 * np.asarray(jax.random.normal(jax.random.key(1), (4, 8)))
-    policy = jaxtopk.Certified(eps, search=search, block_size=bs, num_samples=4)
+    mc = dict(num_samples=4) if search == "mc" else {}
+    policy = jaxtopk.Certified(eps, search=search, block_size=bs, **mc)
     sel = jaxtopk.certified_search(q, k, policy=policy, key=jax.random.key(2))
     frac = np.asarray(sel.certificate.keys_scored) / 512
     self.assertLess(float(frac.mean()), 0.5)
@@ -141,12 +142,107 @@ class SearchTest(parameterized.TestCase):
     ("policy", dict(policy=jaxtopk.FixedK(2)), TypeError, "Certified"),
     ("shape", dict(query=np.ones((R + 1, D))), ValueError, "leading"),
     ("mc_key", dict(policy=jaxtopk.Certified(0.1, "mc")), ValueError, "key"),
+    ("int_query", dict(query=np.ones((R, D), np.int32)), TypeError, "query"),
+    ("float_mask", dict(mask=np.ones((R, N))), TypeError, "mask"),
+    ("scale_inf", dict(scale=np.inf), ValueError, "scale=inf"),
+    ("scale_zero", dict(scale=0.0), ValueError, "scale=0.0"),
   )
   def test_bad_input(self, kwargs, exc, fragment):
     args = dict(query=np.ones((R, D)), policy=jaxtopk.Certified(0.1, "delta"))
     args.update(kwargs)
     with self.assertRaisesRegex(exc, fragment):
       jaxtopk.certified_search(args.pop("query"), jnp.ones((R, N, D)), **args)
+
+  def test_no_keys_is_invalid(self):
+    sel = jaxtopk.certified_search(
+      np.ones((R, D)), np.ones((R, 0, D)), policy=jaxtopk.Certified(0.1)
+    )
+    self.assertEqual(sel.keep.shape, (R, 0))
+    self.assertFalse(np.any(sel.certificate.valid))
+
+
+def _tau_ld(q, k, keep, mask, scale):
+  """Exact (80-bit) tau of the kept set of every row."""
+  ld = np.longdouble
+  s = np.einsum("rd,rnd->rn", q.astype(ld), k.astype(ld)) * ld(scale)
+  out = []
+  for r in range(s.shape[0]):
+    real = s[r][mask[r]]
+    e = np.exp(real - real.max())
+    out.append(e[~keep[r][mask[r]]].sum() / e.sum())
+  return np.asarray(out)
+
+
+_SEARCHES = (
+  ("exact", dict(search="exact")),
+  ("delta", dict(search="delta", block_size=4)),
+  ("mc", dict(search="mc", block_size=4, num_samples=2)),
+  ("lowrank", dict(search="delta", block_size=4, bound="lowrank", rank=2)),
+)
+
+
+class AdversarialSearchTest(parameterized.TestCase):
+  @parameterized.named_parameters(*_SEARCHES)
+  def test_flushed_query_component(self, kw):
+    # Issue 13: q_0 = 1e-38 is read as 0 by the CPU, so the first key's
+    # logit reads 5 instead of 2; the bound was 0.15 against tau 0.73.
+    q = np.array([[1e-38, 1.0, 0.0, 0.0]], np.float32)
+    k = np.array([[[-3e38, 5.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0]]], np.float32)
+    sel = jaxtopk.certified_search(
+      q,
+      k,
+      policy=jaxtopk.Certified(0.45, **kw),
+      scale=1.0,
+      key=jax.random.key(0),
+    )
+    cert = sel.certificate
+    tau = _tau_ld(q, k, np.asarray(sel.keep), np.ones((1, 2), bool), 1.0)
+    self.assertTrue(bool(cert.valid[0]))
+    self.assertGreaterEqual(np.longdouble(float(cert.tv_bound[0])), tau[0])
+
+  @parameterized.named_parameters(*_SEARCHES)
+  def test_max_topk_honoured(self, kw):
+    # Issue 13: Certified(0.01, max_topk=4) kept 4 keys on the exact path
+    # but 253 through Delta-Search; every search now caps.
+    k = np.zeros((R, 24, D), np.float32)  # flat rows need every key
+    q = np.ones((R, D), np.float32)
+    policy = jaxtopk.Certified(0.01, max_topk=4, **kw)
+    sel = jaxtopk.certified_search(q, k, policy=policy, key=jax.random.key(1))
+    np.testing.assert_array_equal(sel.k_kept, 4)
+    np.testing.assert_array_equal(np.sum(sel.keep, -1), 4)
+    self.assertTrue(np.all(np.asarray(sel.certificate.tv_bound) >= 20 / 24))
+
+  @parameterized.named_parameters(*_SEARCHES)
+  def test_sound_on_extreme_magnitudes(self, kw):
+    policy = jaxtopk.Certified(0.1, **kw)
+
+    @given(
+      a=st.integers(-30, 30),
+      seed=st.integers(0, 2**31 - 1),
+      sub=st.booleans(),
+      huge=st.booleans(),
+    )
+    def check(a, seed, sub, huge):
+      rng = np.random.default_rng(seed)
+      q = (rng.normal(size=(2, D)) * 10.0**a).astype(np.float32)
+      k = (rng.normal(size=(2, 9, D)) * 10.0**-a).astype(np.float32)
+      if sub:  # subnormal components, read as 0 by the CPU
+        q[:, 0] = np.float32(3e-39)
+        k[:, ::2, 1] = np.float32(-7e-40)
+      if huge:  # one huge coordinate against a tiny one
+        k[:, 1, 0] = np.float32(-2e38)
+      sel = jaxtopk.certified_search(
+        q, k, policy=policy, values=k, key=jax.random.key(seed % 7)
+      )
+      cert = sel.certificate
+      keep = np.asarray(sel.keep)
+      tau = _tau_ld(q, k, keep, np.ones((2, 9), bool), D**-0.5)
+      for r in range(2):
+        if not bool(cert.valid[r]):
+          continue
+        self.assertGreaterEqual(np.longdouble(float(cert.tv_bound[r])), tau[r])
+
+    check()
 
 
 if __name__ == "__main__":

@@ -148,14 +148,67 @@ class SelectTest(parameterized.TestCase):
   @parameterized.named_parameters(
     ("not_policy", dict(policy="topk"), TypeError, "policy"),
     ("mask", dict(mask=np.ones((3, 4), bool)), ValueError, "mask"),
+    ("mask_float", dict(mask=np.ones((2, 7))), TypeError, "mask.dtype"),
     ("values", dict(values=np.ones((2, 5, 3))), ValueError, "values"),
+    ("int_logits", dict(logits=np.ones((2, 7), np.int32)), TypeError, "int32"),
+    ("bool_logits", dict(logits=np.ones((2, 7), bool)), TypeError, "bool"),
+    ("complex", dict(logits=np.ones((2, 7), np.complex64)), TypeError, "real"),
   )
   def test_bad_input(self, kwargs, exc, fragment):
-    args = dict(policy=jaxtopk.FixedK(1))
+    args = dict(policy=jaxtopk.FixedK(1), logits=jnp.ones((2, 7)))
     args.update(kwargs)
-    policy = args.pop("policy")
+    policy, logits = args.pop("policy"), args.pop("logits")
     with self.assertRaisesRegex(exc, fragment):
-      jaxtopk.select(jnp.ones((2, 7)), policy, **args)
+      jaxtopk.select(logits, policy, **args)
+
+  @parameterized.named_parameters(
+    ("fixedk", jaxtopk.FixedK(2)),
+    ("certified", jaxtopk.Certified(0.1)),
+  )
+  def test_no_keys_gives_invalid_rows(self, policy):
+    # Issue 13: n = 0 crashed with an obscure message.
+    sel = jaxtopk.select(jnp.ones((3, 0)), policy, values=np.ones((3, 0, 2)))
+    self.assertEqual(sel.keep.shape, (3, 0))
+    np.testing.assert_array_equal(sel.certificate.valid, False)
+    self.assertTrue(np.all(np.isnan(sel.certificate.output_error_bound)))
+
+  def test_minus_inf_logit_is_a_key_of_zero_mass(self):
+    # Issue 13: bias = -inf made the whole row invalid; it is a key of zero
+    # mass (never kept, not counted), as in jax.nn.dot_product_attention.
+    s = jnp.array([[2.0, -jnp.inf, 1.0, 0.0], [-jnp.inf] * 4])
+    for policy in (jaxtopk.FixedK(3), jaxtopk.Dense(), jaxtopk.Certified(0.5)):
+      sel = jaxtopk.select(s, policy)
+      self.assertTrue(bool(sel.certificate.valid[0]))
+      self.assertFalse(bool(sel.keep[0, 1]))
+      self.assertFalse(bool(sel.certificate.valid[1]))  # no key of mass
+    sel = jaxtopk.select(s, jaxtopk.Ratio(0.5))
+    self.assertEqual(int(sel.k_kept[0]), 2)  # ceil(0.5 * 3 real keys)
+
+  def test_nan_value_of_a_real_key_makes_the_row_invalid(self):
+    v = np.ones((2, 4, 3), np.float32)
+    v[0, 3, 1] = np.nan
+    v[1, 3, 1] = np.inf
+    sel = jaxtopk.select(jnp.zeros((2, 4)), jaxtopk.FixedK(2), values=v)
+    np.testing.assert_array_equal(sel.certificate.valid, [False, False])
+    sel = jaxtopk.select(
+      jnp.zeros((2, 4)),
+      jaxtopk.FixedK(2),
+      values=v,
+      mask=np.array([True, True, True, False]),
+    )
+    np.testing.assert_array_equal(sel.certificate.valid, [True, True])
+
+  @parameterized.named_parameters(
+    ("delta", jaxtopk.Certified(0.01, "delta", 4, max_topk=4)),
+    ("mc", jaxtopk.Certified(0.01, "mc", 4, max_topk=4)),
+  )
+  def test_search_strategies_honoured_as_exact(self, policy):
+    # Given logits every key is scored: Delta/MC run the exact search (a
+    # deterministic certificate) and max_topk caps as on the exact path.
+    sel = jaxtopk.select(jnp.zeros((3, 11)), policy)
+    np.testing.assert_array_equal(sel.k_kept, 4)
+    np.testing.assert_array_equal(sel.certificate.keys_scored, 11)
+    self.assertEqual(sel.certificate.failure_prob, 0.0)
 
   def test_output_bound_sound_for_tiny_and_huge_values(self):
     # ||v|| of v ~ 1e-30 underflowed to 0 in float32 (squares flush), so

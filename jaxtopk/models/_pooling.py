@@ -66,7 +66,7 @@ def sentence_embedding(
   """all-MiniLM-L6-v2 sentence embedding: encode, mean-pool, L2-normalize.
 
   Args:
-    model: a ``jaxtopk.nn.MiniLM`` (e.g. from ``load_minilm``).
+    model: a ``jaxtopk.models.MiniLM`` (e.g. from ``load_minilm``).
     input_ids: ``[batch, seq]`` token ids.
     attention_mask: ``[batch, seq]``, nonzero for a real token.
     token_type_ids: optional ``[batch, seq]`` segment ids.

@@ -10,7 +10,7 @@ With ``return_logits=True`` the encoder also returns, for every layer, the
 pre-softmax scaled logits (THEORY.md section 1: ``s_i = q.k_i * scale``) with
 the padding mask kept apart as a boolean, plus the queries, keys, values and
 attention outputs, head-major (DESIGN.md: ``[batch, heads, seq, head_dim]``).
-The real all-MiniLM-L6-v2 weights are loaded by ``jaxtopk.nn.load_minilm``.
+The real all-MiniLM-L6-v2 weights are loaded by ``jaxtopk.models.load_minilm``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from jaxtyping import Bool
 from jaxtyping import Float
 from jaxtyping import Int
 
-from jaxtopk.nn._bert_config import ACTIVATIONS
-from jaxtopk.nn._bert_config import BertConfig
+from jaxtopk.models._bert_config import ACTIVATIONS
+from jaxtopk.models._bert_config import BertConfig
 
 
 class AttentionTrace(NamedTuple):
@@ -250,7 +250,7 @@ class MiniLM(nnx.Module):
   """BERT encoder (the all-MiniLM-L6-v2 architecture by default) in Flax NNX.
 
   Returns the last hidden state; the sentence-transformers pooler is
-  ``jaxtopk.nn.sentence_embedding``. Inference only: dropout is not applied.
+  ``jaxtopk.models.sentence_embedding``. Inference only: dropout is not applied.
   ``config`` None means all-MiniLM-L6-v2's ``BertConfig()``; ``dtype`` is the
   compute dtype (None: from inputs and params) and ``param_dtype`` the
   storage dtype of the parameters.

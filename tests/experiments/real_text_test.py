@@ -6,7 +6,7 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from jaxtopk import nn
+from experiments import _real_text
 
 
 class RealTextPassagesTest(parameterized.TestCase):
@@ -22,7 +22,7 @@ class RealTextPassagesTest(parameterized.TestCase):
     (self.dir / "C").write_text("c0 c1")  # shorter than a window
 
   def _passages(self, n, max_words=5, seed=0, **kw):
-    return nn.real_text_passages(
+    return _real_text.real_text_passages(
       n, max_words, seed, files=("A", "B", "C", "Z"), directory=self.dir, **kw
     )
 
@@ -56,12 +56,14 @@ class RealTextPassagesTest(parameterized.TestCase):
   def test_missing_files_raise(self):
     with tempfile.TemporaryDirectory() as empty:
       with self.assertRaisesRegex(FileNotFoundError, "licence texts"):
-        nn.real_text_passages(1, directory=empty)
+        _real_text.real_text_passages(1, directory=empty)
 
   def test_debian_licences(self):
     if not pathlib.Path("/usr/share/common-licenses/GPL-3").is_file():
       self.skipTest("/usr/share/common-licenses absent (not Debian-based)")
-    texts, sources = nn.real_text_passages(13, 200, 0, return_sources=True)
+    texts, sources = _real_text.real_text_passages(
+      13, 200, 0, return_sources=True
+    )
     self.assertLen(texts, 13)
     for text, source in zip(texts, sources, strict=True):
       self.assertLen(text.split(), 200)

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 from flax import nnx
 
-from jaxtopk.nn._bert import MiniLM
-from jaxtopk.nn._minilm import load_minilm
-from jaxtopk.nn._minilm import minilm_tokenize
+from jaxtopk.models import MiniLM
+from jaxtopk.models import load_minilm
+from jaxtopk.models import minilm_tokenize
 
 
 @functools.lru_cache(maxsize=1)

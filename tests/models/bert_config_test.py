@@ -3,13 +3,15 @@
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from jaxtopk import nn
+from jaxtopk import models
 
 
 class BertConfigTest(parameterized.TestCase):
   def test_package_config_is_minilm(self):
-    cfg = nn.BertConfig.from_json_file(nn.minilm_model_dir() / "config.json")
-    self.assertEqual(cfg, nn.BertConfig())
+    cfg = models.BertConfig.from_json_file(
+      models.minilm_model_dir() / "config.json"
+    )
+    self.assertEqual(cfg, models.BertConfig())
     self.assertEqual(cfg.head_dim, 32)
 
   @parameterized.named_parameters(
@@ -21,11 +23,11 @@ class BertConfigTest(parameterized.TestCase):
   )
   def test_bad_config_raises(self, kwargs, name):
     with self.assertRaisesRegex(ValueError, name):
-      nn.BertConfig(**kwargs)
+      models.BertConfig(**kwargs)
 
   def test_non_bert_hf_config_raises(self):
     with self.assertRaisesRegex(ValueError, "model_type"):
-      nn.BertConfig.from_hf_dict({"model_type": "gpt2"})
+      models.BertConfig.from_hf_dict({"model_type": "gpt2"})
 
 
 if __name__ == "__main__":

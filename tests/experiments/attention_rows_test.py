@@ -4,7 +4,8 @@ import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from jaxtopk import nn
+from experiments import _attention_rows
+from jaxtopk import models
 
 _TEXTS = (
   "Sparse attention keeps only the keys that matter.",
@@ -25,8 +26,8 @@ class MiniLMAttentionRowsTest(parameterized.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.model, cls.tokenizer = nn.load_minilm()
-    cls.rows = nn.minilm_attention_rows(
+    cls.model, cls.tokenizer = models.load_minilm()
+    cls.rows = _attention_rows.minilm_attention_rows(
       _TEXTS,
       _MAX_LEN,
       model=cls.model,
@@ -74,7 +75,7 @@ class MiniLMAttentionRowsTest(parameterized.TestCase):
     np.testing.assert_allclose(out, r["outputs"], atol=1e-5, rtol=1e-4)
 
   def test_padding_and_batching_do_not_change_rows(self):
-    alone = nn.minilm_attention_rows(
+    alone = _attention_rows.minilm_attention_rows(
       _TEXTS[1:2], _MAX_LEN, model=self.model, tokenizer=self.tokenizer
     )
     n = int(self.rows["lengths"][1])
@@ -98,7 +99,7 @@ class MiniLMAttentionRowsTest(parameterized.TestCase):
     elif "max_len" in kwargs:
       kwargs.update(model=self.model, tokenizer=self.tokenizer)
     with self.assertRaisesRegex(ValueError, message):
-      nn.minilm_attention_rows(**kwargs)
+      _attention_rows.minilm_attention_rows(**kwargs)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Key selectors for native Top-k studies: exact, approximate and certified.
+"""Key selectors for the native Top-k study (experiments/native_topk.py).
 
 A *selector* is a frozen, hashable dataclass called as
 ``selector(logits, mask, rng) -> keep``: from float32 logits
@@ -23,10 +23,16 @@ precision, and jax.lax.approx_max_k. ``None`` means dense (keep = mask).
   XLA derives from the recall target, without TPU's 128-bin floor, which
   would make it exact at the context lengths a CPU trains).
 
-Exact Top-k and certified sets come from the library's policies through
-``jaxtopk.select`` (``Ratio(rho)``, ``Certified(eps)``); ``ExactTopK`` keeps
-the same set as ``Ratio(rho)`` (tested) with one ``lax.top_k`` and is the
-building block of the approximate selectors.
+Exact Top-k and certified sets come from the library's policies
+(``jaxtopk.Ratio(rho)``, ``jaxtopk.Certified(eps)``), which the decoder runs
+on the library's own attention paths; ``ExactTopK`` keeps the same set as
+``Ratio(rho)`` (tested) with one ``lax.top_k`` and is the building block of
+the approximate selectors. These selectors are not policies (a policy is a
+rule the library's certified paths honour; these are experiment devices that
+deliberately keep a wrong set), so they reach ``jaxtopk.models.TopKDecoder``
+through its attention hook: :class:`SelectorAttention` implements
+``jaxtopk.models.DecoderAttention`` with them, and ``DENSE_STATS`` is the
+dense attention that also reports each row's entropy (THEORY 8.4).
 
 Ties among logits are broken by ``jax.lax.top_k`` (the lower index first).
 """
@@ -36,6 +42,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from jaxtopk import theory
 
 # Ranking value given to masked keys; used only to order keys, never inside a
 # softmax (masked keys are removed with ``where``).
@@ -222,3 +230,114 @@ def selection_precision(keep, logits, mask, rho: float) -> jax.Array:
   top = ExactTopK(rho)(logits, mask)
   hits = jnp.sum(keep & top, axis=-1).astype(jnp.float32)
   return hits / jnp.maximum(jnp.sum(top, axis=-1), 1).astype(jnp.float32)
+
+
+def truncated_softmax(logits, keep) -> jax.Array:
+  """Softmax over the kept keys, exactly 0 elsewhere (THEORY 1, P_hat).
+
+  Written with double ``where`` so dropped keys get neither overflow nor NaN
+  gradients. ``logits`` float32 ``[..., n_keys]``, ``keep`` bool.
+  """
+  top = jnp.max(logits, axis=-1, where=keep, initial=-jnp.inf, keepdims=True)
+  top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+  e = jnp.where(keep, jnp.exp(jnp.where(keep, logits - top, 0.0)), 0.0)
+  return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+
+
+def _heads_first(x):
+  return jnp.swapaxes(x, 1, 2)  # [b, s, h, d] <-> [b, h, s, d]
+
+
+def select_attend(q, k, v, mask, selector, rng):
+  """Attention of head-major ``q`` over ``k, v`` keeping ``selector``'s keys.
+
+  Args:
+    q: ``[batch, heads, q_len, head_dim]``.
+    k: ``[batch, heads, kv_len, head_dim]``.
+    v: ``[batch, heads, kv_len, head_dim]``.
+    mask: bool ``[batch, heads, q_len, kv_len]``, True for a real key.
+    selector: ``(logits, mask, rng) -> keep``, or None for dense.
+    rng: PRNG key for random selectors.
+
+  Returns:
+    ``[batch, heads, q_len, head_dim]`` in ``q.dtype``, and a dict of
+    ``[batch, heads, q_len]`` statistics: ``kept``; ``precision`` (THEORY
+    8.3: the fraction of the kept keys among the exact top-``kept``
+    logits); ``tv`` (the dropped mass of the float32 logits, THEORY 2.1);
+    ``tv_bound`` (a sound bound on the dropped mass of the exact logits:
+    ``jaxtopk.theory.blockwise_bound`` with every key scored and the
+    float32 rounding of the logits from ``theory.logit_rounding_bound``);
+    ``entropy`` (of the dense row, THEORY 8.4).
+  """
+  scale = q.shape[-1] ** -0.5
+  q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+  logits = jnp.einsum("bhqd,bhsd->bhqs", q32, k32) * scale  # [b, h, q, s]
+  keep = mask if selector is None else selector(logits, mask, rng)
+  probs = truncated_softmax(logits, keep)
+  out = jnp.einsum("bhqs,bhsd->bhqd", probs, v.astype(jnp.float32))
+  sg = jax.lax.stop_gradient
+  logits, keep = sg(logits), sg(keep)
+  kept = jnp.sum(keep, axis=-1)
+  top = exact_topk_keep(logits, mask, kept, logits.shape[-1])
+  keys = jnp.broadcast_to(k32[:, :, None], (*logits.shape, k.shape[-1]))
+  err = theory.logit_rounding_bound(sg(q32), sg(keys), scale=scale, mask=mask)
+  no_blocks = jnp.zeros((*logits.shape[:-1], 1))  # every key is scored
+  info = dict(
+    kept=kept,
+    precision=jnp.sum(keep & top, axis=-1) / jnp.maximum(kept, 1),
+    tv=theory.tail_mass(logits, keep, mask),
+    tv_bound=theory.blockwise_bound(
+      logits,
+      keep,
+      mask,
+      no_blocks,
+      no_blocks.astype(jnp.int32),
+      mask,
+      logit_error=err,
+    ),
+    entropy=theory.attention_entropy(logits, mask),
+  )
+  return out.astype(q.dtype), info
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectorAttention:
+  """``jaxtopk.models.DecoderAttention`` keeping a selector's keys.
+
+  Statistics as :func:`select_attend`, with ``[batch, q_len, heads]``
+  leaves (the layout of the library's certificates).
+
+  Attributes:
+    selector: ``(logits, mask, rng) -> keep`` (``ExactTopK``, ``MixedTopK``,
+      ``ApproxMaxK``), or None for dense.
+  """
+
+  selector: object = None
+
+  def prefill(self, query, key, value, *, rng=None):
+    """Causal attention over ``[batch, seq, heads, head_dim]`` inputs."""
+    q, k, v = map(_heads_first, (query, key, value))
+    s = q.shape[2]
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    mask = jnp.broadcast_to(causal, (*q.shape[:2], s, s))
+    out, info = select_attend(q, k, v, mask, self.selector, rng)
+    return _heads_first(out), jax.tree.map(
+      lambda x: jnp.swapaxes(x, 1, 2), info
+    )
+
+  def decode(self, query, cache, *, rng=None):
+    """One query ``[batch, 1, heads, head_dim]`` over a ``jaxtopk.KVCache``."""
+    q = _heads_first(query)  # [b, h, 1, d]
+    mask = jnp.broadcast_to(
+      cache.valid()[:, :, None, :], (*q.shape[:3], cache.max_len)
+    )
+    out, info = select_attend(
+      q, cache.keys, cache.values, mask, self.selector, rng
+    )
+    return _heads_first(out), jax.tree.map(
+      lambda x: jnp.swapaxes(x, 1, 2), info
+    )
+
+
+# Dense attention that also reports each row's entropy (THEORY 8.4).
+DENSE_STATS = SelectorAttention(None)

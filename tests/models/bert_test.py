@@ -18,7 +18,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 from flax import nnx
 
-from jaxtopk import nn
+from jaxtopk import models
 from tests.tolerances import tol
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ def _fixture_path() -> pathlib.Path | None:
 
 # Small config: vocab 13, hidden 15 = 3 heads x 5, ffn 11, 2 layers, 17
 # positions; batch 2 and seq 7 in the tests.
-_SMALL = nn.BertConfig(
+_SMALL = models.BertConfig(
   vocab_size=13,
   hidden_size=15,
   num_layers=2,
@@ -55,13 +55,13 @@ _BATCH, _SEQ = 2, 7
 
 # Jitted entry points: on CPU one compile per shape costs about a third of
 # op-by-op eager dispatch for the 6-layer model.
-_embed = nnx.jit(nn.sentence_embedding)
+_embed = nnx.jit(models.sentence_embedding)
 _forward = nnx.jit(lambda model, *args: model(*args))
 _forward_trace = nnx.jit(lambda model, *args: model(*args, return_logits=True))
 
 
 def _small_model(**kw):
-  return nn.MiniLM(_SMALL, rngs=nnx.Rngs(0), **kw)
+  return models.MiniLM(_SMALL, rngs=nnx.Rngs(0), **kw)
 
 
 def _small_inputs():
@@ -227,7 +227,7 @@ class PoolingTest(parameterized.TestCase):
   def test_mean_pool_ignores_padding(self):
     hidden = jax.random.normal(jax.random.key(0), (3, 5, 7))
     mask = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]])
-    pooled = np.asarray(nn.mean_pool(hidden, mask))
+    pooled = np.asarray(models.mean_pool(hidden, mask))
     h = np.asarray(hidden)
     np.testing.assert_allclose(pooled[0], h[0].mean(0), **tol(jnp.float32))
     np.testing.assert_allclose(pooled[1], h[1, :2].mean(0), **tol(jnp.float32))
@@ -235,15 +235,17 @@ class PoolingTest(parameterized.TestCase):
 
   def test_l2_normalize(self):
     x = jax.random.normal(jax.random.key(0), (3, 5))
-    y = nn.l2_normalize(x)
+    y = models.l2_normalize(x)
     np.testing.assert_allclose(
       jnp.linalg.norm(y, axis=-1), np.ones(3), **tol(jnp.float32)
     )
-    np.testing.assert_array_equal(nn.l2_normalize(jnp.zeros(5)), np.zeros(5))
+    np.testing.assert_array_equal(
+      models.l2_normalize(jnp.zeros(5)), np.zeros(5)
+    )
 
   def test_mean_pool_shape_mismatch_raises(self):
     with self.assertRaisesRegex(ValueError, "attention_mask.shape"):
-      nn.mean_pool(jnp.zeros((3, 5, 7)), jnp.ones((3, 7)))
+      models.mean_pool(jnp.zeros((3, 5, 7)), jnp.ones((3, 7)))
 
 
 class MiniLMRealWeightsTest(parameterized.TestCase):
@@ -252,7 +254,7 @@ class MiniLMRealWeightsTest(parameterized.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.model, cls.tokenizer = nn.load_minilm()
+    cls.model, cls.tokenizer = models.load_minilm()
     path = _fixture_path()
     cls.fixture = None
     if path is not None:
@@ -268,19 +270,19 @@ class MiniLMRealWeightsTest(parameterized.TestCase):
   def test_token_ids_match_reference(self):
     sentences = self._need_fixture()
     for s in sentences:
-      batch = nn.minilm_tokenize(self.tokenizer, [s["text"]])
+      batch = models.minilm_tokenize(self.tokenizer, [s["text"]])
       self.assertEqual(batch["input_ids"][0].tolist(), s["input_ids"])
       self.assertTrue(np.all(batch["attention_mask"] == 1))
 
   def test_embeddings_and_attention_match_reference(self):
     sentences = self._need_fixture()
     texts = [s["text"] for s in sentences]
-    batch = nn.minilm_tokenize(self.tokenizer, texts)  # padded to longest
+    batch = models.minilm_tokenize(self.tokenizer, texts)  # padded to longest
     lengths = batch["attention_mask"].sum(-1)
     self.assertLess(lengths.min(), batch["input_ids"].shape[1])  # has padding
     run = nnx.jit(
       lambda m, b: (
-        nn.l2_normalize(nn.mean_pool(m(**b), b["attention_mask"])),
+        models.l2_normalize(models.mean_pool(m(**b), b["attention_mask"])),
         m(**b, return_logits=True)[1].logits,
       )
     )
@@ -302,8 +304,10 @@ class MiniLMRealWeightsTest(parameterized.TestCase):
   @pytest.mark.slow
   def test_bfloat16_embeddings_close_to_reference(self):
     sentences = self._need_fixture()
-    model, _ = nn.load_minilm(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    batch = nn.minilm_tokenize(self.tokenizer, [s["text"] for s in sentences])
+    model, _ = models.load_minilm(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    batch = models.minilm_tokenize(
+      self.tokenizer, [s["text"] for s in sentences]
+    )
     emb = _embed(model, **batch)
     self.assertEqual(emb.dtype, jnp.bfloat16)
     emb = np.asarray(emb, np.float64)
@@ -317,24 +321,26 @@ class MiniLMRealWeightsTest(parameterized.TestCase):
 
   def test_sentence_embedding_unit_norm_and_padding_invariant(self):
     texts = ["Top-k attention.", "A rather longer sentence about keys here."]
-    batch = nn.minilm_tokenize(self.tokenizer, texts)
+    batch = models.minilm_tokenize(self.tokenizer, texts)
     emb = _embed(self.model, **batch)
     self.assertEqual(emb.shape, (2, 384))
     np.testing.assert_allclose(
       jnp.linalg.norm(emb, axis=-1), np.ones(2), **tol(jnp.float32)
     )
-    alone = _embed(self.model, **nn.minilm_tokenize(self.tokenizer, texts[:1]))
+    alone = _embed(
+      self.model, **models.minilm_tokenize(self.tokenizer, texts[:1])
+    )
     # 6 layers of float32 with different padding: a few ulps of the norm.
     np.testing.assert_allclose(emb[0], alone[0], atol=2e-6, rtol=1e-5)
 
   def test_tokenizer_truncates_and_pads(self):
     long_text = " ".join(["attention"] * 600)
-    batch = nn.minilm_tokenize(self.tokenizer, [long_text, "short"])
+    batch = models.minilm_tokenize(self.tokenizer, [long_text, "short"])
     self.assertEqual(batch["input_ids"].shape, (2, 256))
     self.assertEqual(batch["input_ids"][0, 0], 101)  # [CLS]
     self.assertEqual(batch["input_ids"][0, -1], 102)  # [SEP] kept
     self.assertEqual(batch["attention_mask"][1].sum(), 3)
-    fixed = nn.minilm_tokenize(
+    fixed = models.minilm_tokenize(
       self.tokenizer, ["short"], max_len=11, pad_to_max_len=True
     )
     self.assertEqual(fixed["input_ids"].shape, (1, 11))
@@ -351,21 +357,21 @@ class MiniLMRealWeightsTest(parameterized.TestCase):
   )
   def test_tokenize_bad_input_raises(self, kwargs, message):
     with self.assertRaisesRegex(ValueError, message):
-      nn.minilm_tokenize(self.tokenizer, **kwargs)
+      models.minilm_tokenize(self.tokenizer, **kwargs)
 
   def test_strict_weight_loading(self):
     from safetensors.numpy import load_file
 
-    weights = load_file(str(nn.minilm_model_dir() / "model.safetensors"))
-    abstract = lambda: nnx.eval_shape(lambda: nn.MiniLM(rngs=nnx.Rngs(0)))
+    weights = load_file(str(models.minilm_model_dir() / "model.safetensors"))
+    abstract = lambda: nnx.eval_shape(lambda: models.MiniLM(rngs=nnx.Rngs(0)))
     missing = dict(weights)
     del missing["encoder.layer.3.attention.self.key.bias"]
     with self.assertRaisesRegex(ValueError, "layer.3.attention.self.key.bias"):
-      nn.load_bert_weights(abstract(), missing)
+      models.load_bert_weights(abstract(), missing)
     bad = dict(weights)
     bad["encoder.layer.2.output.dense.weight"] = np.zeros((3, 5), np.float32)
     with self.assertRaisesRegex(ValueError, "layer.2.output.dense.weight"):
-      nn.load_bert_weights(abstract(), bad)
+      models.load_bert_weights(abstract(), bad)
 
 
 if __name__ == "__main__":

