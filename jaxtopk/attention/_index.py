@@ -45,20 +45,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxtopk.attention._cache import KVCache
-from jaxtopk.selection import _certify
-from jaxtopk.theory import _tail
+from jaxtopk.selection import core
 
 DEFAULT_GROUP_SIZE = 64
 _ASSIGN_CHUNK = 2048  # keys per chunk of the k-means distance matrix
 
 
 def norm_up(x) -> jax.Array:
-  """``[...]`` ||x||_2 over the last axis, rounded up, never flushed to 0.
-
-  The one norm of the index (radii, centre and query norms); scaled so that
-  squares neither underflow nor overflow (``value_norms`` of the core).
-  """
-  return _certify.value_norms(x)
+  """``[...]`` ||x||_2 over the last axis, rounded up (``core.norms_up``)."""
+  return core.norms_up(x, -1)
 
 
 @jax.tree_util.register_dataclass
@@ -84,7 +79,10 @@ class IndexedKVCache:
     slot: ``[b, hk, n]`` int32 ``g * C + j`` of each filled position, -1
       for unfilled positions.
     key_absmax: ``[b, hk, d]`` float32 max_i |k_ic| over the stored keys
-      (bounds the rounding of every logit).
+      (bounds the rounding of every logit, ``core.abs_dot_box``).
+    key_norm: ``[b, hk]`` float32 max_i ||k_i|| rounded up.
+    key_flushed: ``[b, hk]`` bool, some stored key has subnormal
+      components (read as 0 by a CPU; ``core.logit_error_bound``).
     open_radius: ``[b, hk]`` float32 mean group radius at build: a new key
       farther than this (and than its nearest group's radius) opens a group.
     spilled: ``[b, hk]`` int32 appended keys that enlarged a group's ball
@@ -104,6 +102,8 @@ class IndexedKVCache:
   vnorm: jax.Array
   slot: jax.Array
   key_absmax: jax.Array
+  key_norm: jax.Array
+  key_flushed: jax.Array
   open_radius: jax.Array
   spilled: jax.Array
   length: jax.Array
@@ -210,8 +210,11 @@ def _group_summaries(x, v, valid, grp, num_groups):
   dist = radius_to(x, centre[jnp.minimum(g, num_groups - 1)])  # [n]
   dist = jnp.where(valid, dist, 0.0)
   radius = _segment_max(dist, g, num_groups + 1, 0.0)[:num_groups]
-  vn = jnp.where(valid, _certify.value_norms(v).astype(x.dtype), 0.0)
+  vn = jnp.where(valid, core.value_norms(v).astype(x.dtype), 0.0)
+  # segment_max drops NaN; a non-finite value makes its group's norm NaN.
+  bad = jax.ops.segment_max(jnp.isnan(vn).astype(jnp.int32), g, num_groups + 1)
   vnorm = _segment_max(vn, g, num_groups + 1, 0.0)[:num_groups]
+  vnorm = jnp.where(bad[:num_groups] > 0, jnp.nan, vnorm)
   return centre, radius, norm_up(centre), cnt[:num_groups], vnorm
 
 
@@ -321,7 +324,7 @@ def _build_row(
 ):
   """Clusters, splits and scatters one (batch, kv head) row."""
   n, d = keys.shape
-  dt = _tail.compute_dtype(keys.dtype)
+  dt = core.compute_dtype(keys.dtype)
   x = keys.astype(dt)
   c_sz = group_size
   k = num_clusters
@@ -346,6 +349,8 @@ def _build_row(
   slot_of = jnp.full((max_len,), -1, jnp.int32)
   slot_of = slot_of.at[idx].set(jnp.where(valid, slot, -1), mode="drop")
   absmax = jnp.max(jnp.where(valid[:, None], jnp.abs(x), 0.0), 0)  # [d]
+  knorm = jnp.max(jnp.where(valid, norm_up(x), 0.0), initial=0.0)
+  kflush = jnp.any(valid & core.flushed(keys, -1))
   nonempty = cnt > 0
   open_r = jnp.sum(jnp.where(nonempty, radius, 0.0)) / jnp.maximum(
     jnp.sum(nonempty), 1
@@ -361,6 +366,8 @@ def _build_row(
     vnorm=vnorm,
     slot=slot_of,
     key_absmax=absmax,
+    key_norm=knorm,
+    key_flushed=kflush,
     open_radius=open_r,
   )
 
@@ -578,8 +585,9 @@ def _append_row(row, k, v, pos, write, c_sz):
   out["centre"] = upd(row["centre"], centre_g)
   out["centre_norm"] = upd(row["centre_norm"], norm_up(centre_g))
   out["radius"] = upd(row["radius"], jnp.maximum(row["radius"][g], r_new))
-  vn = _certify.value_norms(v[None, :])[0].astype(dt)
-  out["vnorm"] = upd(row["vnorm"], jnp.maximum(row["vnorm"][g], vn))
+  vn = core.value_norms(v[None, :])[0].astype(dt)
+  vmax = jnp.where(jnp.isnan(vn), jnp.nan, jnp.maximum(row["vnorm"][g], vn))
+  out["vnorm"] = upd(row["vnorm"], vmax)
   out["count"] = upd(cnt, j + 1)
   jj = jnp.where(ok, j, c_sz)  # out of range: dropped
   out["keys"] = row["keys"].at[g, jj].set(k, mode="drop")
@@ -589,6 +597,10 @@ def _append_row(row, k, v, pos, write, c_sz):
   out["slot"] = row["slot"].at[p].set(g * c_sz + j, mode="drop")
   absmax = jnp.maximum(row["key_absmax"], jnp.abs(x))
   out["key_absmax"] = jnp.where(ok, absmax, row["key_absmax"])
+  knorm = jnp.maximum(row["key_norm"], norm_up(x))
+  out["key_norm"] = jnp.where(ok, knorm, row["key_norm"])
+  kflush = row["key_flushed"] | core.flushed(k, -1)
+  out["key_flushed"] = jnp.where(ok, kflush, row["key_flushed"])
   grew = ok & ~opening & (dist[g] > thresh)
   out["spilled"] = row["spilled"] + grew.astype(jnp.int32)
   return out, ok
@@ -605,6 +617,8 @@ _ROW_FIELDS = (
   "vnorm",
   "slot",
   "key_absmax",
+  "key_norm",
+  "key_flushed",
   "open_radius",
   "spilled",
 )

@@ -53,69 +53,72 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy.special import logsumexp
 
+from jaxtopk import selection
 from jaxtopk.attention._index import IndexedKVCache
 from jaxtopk.attention._index import norm_up
-from jaxtopk.selection import _certify
-from jaxtopk.selection import _policies
-from jaxtopk.selection import _search
-from jaxtopk.selection import _select
-from jaxtopk.selection._certificate import Certificate
-from jaxtopk.selection._select import Selection
-from jaxtopk.theory import _tail
+from jaxtopk.selection import core
 
 # Summary cost in key-equivalents besides one per non-empty group.
 _QUERY_SUMMARY_COST = 2
+_BACKEND = "decode_attention over an IndexedKVCache"
 
 
 def _dtype(query, index):
-  return _tail.compute_dtype(jnp.result_type(query.dtype, index.keys.dtype))
+  return core.compute_dtype(jnp.result_type(query.dtype, index.keys.dtype))
 
 
-def logit_error(q, key_absmax, scale) -> tuple[jax.Array, jax.Array]:
-  """Bounds on |computed logit - exact logit| and on |exact logit|.
+def row_errors(q, q_flushed, index, scale) -> tuple[jax.Array, jax.Array]:
+  """Logit error delta and a bound on |logit| for every stored key.
 
-  A computed scale * q.k differs from the exact one by the d-term dot
-  product rounding, (d + 2) eps scale sum_c |q_c k_c|, plus what flushed
-  subnormals drop (a subnormal q_c or k_c is read as 0: up to tiny |k_c| or
-  tiny |q_c|; a subnormal product or partial sum: up to tiny each), plus
-  tiny for a flushed result. With A = scale |q|.max|k| >= scale sum_c
-  |q_c k_c| for every stored key:
-
-      delta = (d + 2) eps A + tiny (scale (2 ||max|k|||_1 + ||q||_1 + 2 d) + 2).
+  ``core.logit_error_bound`` with the box magnitude ``core.abs_dot_box``
+  (q against the index's per-dimension max |k|), the largest key norm and
+  the flushed-subnormal flags of q and of the stored keys.
 
   Args:
-    q: ``[..., d]`` queries (compute dtype).
-    key_absmax: ``[..., d]`` max |k_c| over the keys (broadcasts with q).
+    q: ``[b, hk, g, d]`` queries (compute dtype).
+    q_flushed: ``[b, hk, g]`` bool, q has subnormal components.
+    index: the IndexedKVCache.
     scale: positive logit scale.
 
   Returns:
-    ``(delta, abs_dot)``, both ``[...]``: delta as above, and abs_dot = A
-    rounded up (>= |every logit|).
+    ``(delta, abs_s)`` ``[b, hk, g]``: delta bounds |computed - exact| of
+    every logit, abs_s bounds |computed logit| (for the magnitude rounding
+    of the log-sum-exps).
   """
-  dt = q.dtype
-  fin = jnp.finfo(dt)
   d = q.shape[-1]
-  aq = jnp.abs(q)
-  dot = jnp.einsum("...d,...d->...", aq, key_absmax.astype(dt))
-  abs_dot = scale * dot * (1 + (d + 4) * fin.eps)
-  l1 = 2 * jnp.sum(key_absmax, -1) + jnp.sum(aq, -1) + 2 * d
-  flush = fin.tiny * (scale * l1 * (1 + (d + 4) * fin.eps) + 2)
-  return (d + 2) * fin.eps * abs_dot + flush, abs_dot
+  dt = q.dtype
+  qn = norm_up(q)  # [b, hk, g]
+  kn = index.key_norm[:, :, None].astype(dt)
+  a = core.abs_dot_box(q, index.key_absmax[:, :, None, :])[..., 0]
+  delta = core.logit_error_bound(
+    q_norm=qn,
+    k_norm=kn,
+    head_dim=d,
+    scale=scale,
+    abs_dot=a,
+    q_flushed=q_flushed,
+    k_flushed=index.key_flushed[:, :, None],
+  )
+  a = jnp.minimum(a, qn * kn * (1 + 2 * jnp.finfo(dt).eps))
+  abs_s = scale * a * (1 + 4 * jnp.finfo(dt).eps) + delta
+  return delta, abs_s
 
 
-def group_upper_bounds(q, index: IndexedKVCache, scale) -> jax.Array:
+def group_upper_bounds(q, index: IndexedKVCache, scale, q_flushed=True):
   """Sound upper bounds u_g on every member logit of every group.
 
-  u_g = scale (q.c_g + ||q|| r_g), computed as t1 = q.c_g, t2 = ||q||
-  (r_g + (d + 2) eps ||c_g||) (the second term covers the rounding of the
-  computed q.c_g), then scale (t1 + t2 + 4 eps (|t1| + |t2|)) rounded up
-  relatively and by the flushed-subnormal term of ``logit_error``.
-  Empty groups get -inf; a NaN bound becomes +inf (never skipped).
+  u_g = scale (q.c_g + ||q|| r_g): t1 = the computed scale q.c_g, off by at
+  most delta_c (``core.logit_error_bound`` for c_g as a key, subnormal
+  components assumed), t2 = scale ||q|| r_g (norms rounded up), then
+  u_g = t1 + delta_c + t2 + 4 eps (|t1| + |t2| + delta_c) + tiny (the
+  additions' rounding; a flushed result). Empty groups get -inf; a NaN
+  bound becomes +inf (never skipped).
 
   Args:
     q: ``[b, hk, g, d]`` queries (compute dtype), g per kv head (GQA).
     index: the IndexedKVCache.
     scale: positive logit scale.
+    q_flushed: ``[b, hk, g]`` bool (or True: assume subnormal components).
 
   Returns:
     ``[b, hk, g, G]`` bounds in q's dtype.
@@ -124,26 +127,32 @@ def group_upper_bounds(q, index: IndexedKVCache, scale) -> jax.Array:
   fin = jnp.finfo(dt)
   d = q.shape[-1]
   c = index.centre.astype(dt)
-  t1 = jnp.einsum("bkgd,bkGd->bkgG", q, c)  # [b, hk, g, G]
+  t1 = scale * jnp.einsum("bkgd,bkGd->bkgG", q, c)  # [b, hk, g, G]
   qn = norm_up(q)[..., None]  # [b, hk, g, 1]
-  rad = index.radius + (d + 2) * fin.eps * index.centre_norm  # [b, hk, G]
-  t2 = qn * rad.astype(dt)[:, :, None]  # [b, hk, g, G]
-  u = scale * (t1 + t2 + 4 * fin.eps * (jnp.abs(t1) + jnp.abs(t2)))
-  flush, _ = logit_error(q, index.key_absmax[:, :, None], scale)
-  u = u + 2 * fin.eps * jnp.abs(u) + flush[..., None]
+  delta_c = core.logit_error_bound(
+    q_norm=qn,
+    k_norm=index.centre_norm[:, :, None].astype(dt),
+    head_dim=d,
+    scale=scale,
+    q_flushed=jnp.asarray(q_flushed)[..., None],
+    k_flushed=True,
+  )
+  t2 = scale * qn * index.radius[:, :, None].astype(dt) * (1 + 3 * fin.eps)
+  u = t1 + delta_c + t2
+  u = u + 4 * fin.eps * (jnp.abs(t1) + jnp.abs(t2) + delta_c) + fin.tiny
   u = jnp.where(jnp.isnan(u), jnp.inf, u)
   return jnp.where(index.count[:, :, None] > 0, u, -jnp.inf)
 
 
-def _row_slack(abs_dot, delta, log_mass, n_terms, n_rounds, dt):
-  """Log slack of a row's certificate (rounding of logits, sums, rounds)."""
-  eps = jnp.finfo(dt).eps
+def _err_units(abs_s, log_mass, n_rounds):
+  """Rounding coefficient (units of eps) of a row's two log masses.
+
+  The absolute logs m + log z carry eps |m| <= eps abs_s, the group terms
+  eps |u_g + log n_g|, and each round's rescale a few eps.
+  """
   fin = jnp.isfinite(log_mass)
   big = jnp.max(jnp.where(fin, jnp.abs(log_mass), 0.0), -1)
-  mag = 8 * eps * (abs_dot + big)
-  return (
-    2 * delta + mag + _tail.log_slack(n_terms, dt) + 4 * eps * (n_rounds + 2)
-  )
+  return 4 * (abs_s + big) + 4 * (n_rounds + 2)
 
 
 _LEVELS_PER_LOGIT = 64  # resolution of the group order
@@ -198,7 +207,8 @@ def _grow_row(
   log_mass,
   init,
   exclude,
-  slack,
+  delta,
+  err,
   *,
   keys,
   values,
@@ -206,6 +216,7 @@ def _grow_row(
   log_eps,
   rounds,
   max_groups,
+  n_terms,
 ):
   """Scores whole groups in rounds, by bound, until tau <= eps certified.
 
@@ -217,36 +228,41 @@ def _grow_row(
       NOT yet kept (-inf where none remain).
     init: ``(m, z, o)`` online-softmax state of the keys already kept.
     exclude: ``[G, C]`` bool slots already kept (never rescored), or None.
-    slack: scalar log slack of the final certificate.
+    delta: logit error of the row (``row_errors``).
+    err: rounding coefficient of the row's log masses (``_err_units``).
     keys: ``[B * G, C, d]``, values ``[B * G, C, dv]``: every kv head's
       groups, flat (a round gathers ``rounds`` of them).
     scale, log_eps: logit scale and log of the budget.
     rounds: static groups per round.
     max_groups: static cap on the groups scored.
+    n_terms: static number of terms of the row (keys plus groups).
 
   A round whose mass is below ``eps' / (16 * max_rounds)`` of the mass
-  scored so far (eps' = eps e^{-2 slack}) is scored but not kept: its
-  exact mass joins the tail (the
-  certificate stays exact for it) and its values are never read, so on
-  concentrated rows the later rounds cost keys only. Kept rounds add their
-  values to the online-softmax output.
+  scored so far (eps' = eps e^{-margin}, the margin the certificate needs)
+  is scored but not kept: its exact mass joins the tail (the certificate
+  stays exact for it) and its values are never read, so on concentrated
+  rows the later rounds cost keys only. Kept rounds add their values to
+  the online-softmax output.
 
   Returns:
-    ``(out, log_tv, scored_group, kept_group, n_scored, n_kept, finite)``.
+    ``(out, log_tv, scored_group, kept_group, n_scored, n_kept, has_head,
+    finite)``.
   """
   g_num = count.shape[0]
   c_sz = keys.shape[1]
   r = rounds
   dt = q.dtype
+  eps = jnp.finfo(dt).eps
   log_mass = jnp.where(jnp.isnan(log_mass), jnp.inf, log_mass)
   live = log_mass > -jnp.inf
   order, suffix = _order_groups(log_mass)  # live groups first
   limit = jnp.minimum(jnp.sum(live, dtype=jnp.int32), max_groups)
   order_p = jnp.concatenate([order, jnp.zeros((r,), order.dtype)])
   suffix = jnp.concatenate([suffix, jnp.full((r + 1,), -jnp.inf, dt)])
-  target = log_eps - 2 * slack
-  # Budget of a dropped round, shrunk by the slack the certificate adds
-  # (huge logits: a slack of ~1e24 in log space leaves nothing to drop).
+  margin = core.search_log_margin(n_terms, delta, dt) + 4 * eps * err
+  target = log_eps - margin
+  # Budget of a dropped round, shrunk by the margin (huge logits: a margin
+  # of ~1e24 in log space leaves nothing to drop).
   thr = jnp.exp(target) / (16 * max(1, -(-max_groups // r)))
 
   def lse(m, z):
@@ -308,20 +324,24 @@ def _grow_row(
   # Dropped keys whose e^{s - m} underflowed (or whose rescaled sum was
   # flushed) each hid less than tiny: never report their mass as zero.
   n_drop = n_sc - n_kp
-  tiny = jnp.finfo(dt).tiny
-  lost = (n_drop + j // r + 1).astype(dt) * tiny
-  zd = jnp.where(n_drop > 0, zd * (1 + 4 * jnp.finfo(dt).eps) + lost, 0.0)
+  lost = (n_drop + j // r + 1).astype(dt) * jnp.finfo(dt).tiny
+  zd = jnp.where(n_drop > 0, zd * (1 + 4 * eps) + lost, 0.0)
   j = jnp.minimum(j, limit)
   rank = jnp.zeros((g_num,), jnp.int32).at[order].set(jnp.arange(g_num))
   scored = rank < j
   log_u = logsumexp(log_mass, where=live & ~scored)
-  log_tv = log_bound(log_u, m, z, zd) + slack
-  # +inf bounds (overflow, NaN summaries) give NaN here: tau <= 1 holds.
-  log_tv = jnp.where(jnp.isnan(log_tv), 0.0, jnp.minimum(log_tv, 0.0))
-  nothing = (log_u == -jnp.inf) & (n_drop == 0)
-  log_tv = jnp.where(nothing, -jnp.inf, log_tv)
+  log_tail = jnp.logaddexp(log_u, lse(m, zd))
+  log_tv = core.tail_log_bound(
+    lse(m, z),
+    log_tail,
+    err=err,
+    n_terms=n_terms,
+    logit_error=delta,
+    ok=True,
+  )
   out = o / jnp.where(z > 0, z, 1.0)
-  return out, log_tv, scored, kept & scored, n_sc, n_kp, fin
+  has_head = (z > 0) & jnp.isfinite(m)
+  return out, log_tv, scored, kept & scored, n_sc, n_kp, has_head, fin
 
 
 def _rows(index, g):
@@ -351,9 +371,11 @@ def _flat_kv(index):
 
 
 def _split_heads(query, index, dt):
+  """``[b, hk, g, d]`` queries in ``dt`` and their subnormal flags."""
   b, _, h, d = query.shape
   hk = index.keys.shape[1]
-  return query.astype(dt).reshape(b, hk, h // hk, d)  # [b, hk, g, d]
+  q = query.reshape(b, hk, h // hk, d)
+  return q.astype(dt), core.flushed(q, -1)
 
 
 def kept_rounding_error(delta, head_norm) -> jax.Array:
@@ -365,7 +387,8 @@ def kept_rounding_error(delta, head_norm) -> jax.Array:
   e^{-2 delta}) max_kept ||v|| (THEORY 4.1 with the rounding as the
   perturbation). ``output_error_bound`` adds this: with logits ~1e30 two
   tied keys differ by an ulp (~4e22) in float32 and the output is one value
-  instead of their mean, although no key was dropped (found by the soak).
+  instead of their mean, although no key was dropped (found by the soak;
+  ``core.output_error_bound`` does not cover it).
   """
   dt = head_norm.dtype
   e = -jnp.expm1(-2 * delta.astype(dt))
@@ -375,30 +398,39 @@ def kept_rounding_error(delta, head_norm) -> jax.Array:
 def _finish(
   out,
   log_tv,
-  ok,
+  has_head,
+  fin,
   k_kept,
   keys_scored,
   head_norm,
   tail_norm,
-  b,
-  h,
-  query_dtype,
   delta,
+  shape,
+  query_dtype,
   failure_prob=0.0,
 ):
-  ok = ok & jnp.all(jnp.isfinite(out), -1)
-  cert = _certify.finish_certificate(
+  """Validity (``core.row_valid``), Certificate, output in the query dtype."""
+  b, h = shape
+  norms_ok = ~(jnp.isnan(head_norm) | jnp.isnan(tail_norm))
+  valid = core.row_valid(
+    has_head=has_head,
+    logits_ok=fin,
+    norms_ok=norms_ok,
+    output_ok=jnp.all(jnp.isfinite(out), -1),
+  )
+  cert = core.finish_certificate(
     log_tv,
-    ok,
+    valid,
     k_kept=k_kept,
     keys_scored=keys_scored,
-    head_max_norm=head_norm,
-    tail_max_norm=tail_norm,
+    head_norm=head_norm,
+    tail_norm=tail_norm,
+    logit_error=delta,
     failure_prob=failure_prob,
   )
   err = cert.output_error_bound + kept_rounding_error(delta, head_norm)
   cert = dataclasses.replace(cert, output_error_bound=err)
-  out = jnp.where(ok[..., None], out, 0.0)
+  out = jnp.where(valid[..., None], out, 0.0)
   out = out.reshape(b, 1, h, -1).astype(query_dtype)
   cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
   return out, cert
@@ -414,32 +446,31 @@ def _search_decode(query, index, rng, eps, *, policy, scale):
   sweep over eps compiles once."""
   b, _, h, d = query.shape
   dt = _dtype(query, index)
-  q = _split_heads(query, index, dt)  # [b, hk, g, d]
+  q, qf = _split_heads(query, index, dt)  # [b, hk, g, d], [b, hk, g]
   hk, g = q.shape[1], q.shape[2]
   g_num, c_sz = index.num_groups, index.group_size
-  u = group_upper_bounds(q, index, scale)  # [b, hk, g, G]
+  u = group_upper_bounds(q, index, scale, qf)  # [b, hk, g, G]
   cnt = jnp.broadcast_to(index.count[:, :, None], u.shape)
-  delta, abs_dot = logit_error(q, index.key_absmax[:, :, None], scale)
+  delta, abs_s = row_errors(q, qf, index, scale)  # [b, hk, g]
+  mc = policy.search.name == "mc"
   n_samp = 0
-  if policy.search == "mc":
+  if mc:
     slot_ok = jnp.arange(c_sz) < index.count[..., None]  # [b, hk, G, C]
     rngs = jax.random.split(rng, (b, hk, g))
-    mc = functools.partial(
-      _search._mc_log_mass_row,
+    fn = functools.partial(
+      selection.mc_log_mass_row,
       scale=scale,
       num_samples=policy.num_samples,
       delta=policy.delta,
     )
-    mc = jax.vmap(mc, in_axes=(0, None, None, 0, 0, 0))  # over g
-    log_mass, _ = jax.vmap(jax.vmap(mc))(q, index.keys, slot_ok, u, cnt, rngs)
+    fn = jax.vmap(fn, in_axes=(0, None, None, 0, 0, 0))  # over g
+    log_mass, _ = jax.vmap(jax.vmap(fn))(q, index.keys, slot_ok, u, cnt, rngs)
     n_samp = policy.num_samples * jnp.sum(index.count > 0, -1)[..., None]
   else:
     log_mass = u + jnp.log(jnp.maximum(cnt, 1).astype(dt))
   log_mass = jnp.where(cnt > 0, log_mass, -jnp.inf)
   n_rounds = -(-g_num // index.groups_per_round)
-  slack = _row_slack(
-    abs_dot, delta, log_mass, g_num * c_sz + g_num, n_rounds, dt
-  )
+  err = _err_units(abs_s, log_mass, n_rounds)
   dv = index.values.shape[-1]
   rows = b * hk * g
   init = (
@@ -456,43 +487,43 @@ def _search_decode(query, index, rng, eps, *, policy, scale):
     log_eps=jnp.log(jnp.asarray(eps, dt)),
     rounds=index.groups_per_round,
     max_groups=g_num,
+    n_terms=g_num * c_sz + g_num,
   )
   base, count = _rows(index, g)
-  out, log_tv, scored, kept, n_sc, n_kp, fin = _map_rows(
-    lambda q, bs, c, lm, m0, z0, o0, sl: row(
-      q, bs, c, lm, (m0, z0, o0), None, sl
+  out, log_tv, _, kept, n_sc, n_kp, has_head, fin = _map_rows(
+    lambda q, bs, c, lm, m0, z0, o0, de, er: row(
+      q, bs, c, lm, (m0, z0, o0), None, de, er
     ),
     q.reshape(rows, d),
     base,
     count,
     log_mass.reshape(rows, g_num),
     *init,
-    slack.reshape(rows),
+    delta.reshape(rows),
+    err.reshape(rows),
   )
   shape = (b, hk, g)
   out = out.reshape(*shape, dv)
-  log_tv, n_sc, n_kp, fin = (
-    x.reshape(shape) for x in (log_tv, n_sc, n_kp, fin)
+  log_tv, n_sc, n_kp, has_head, fin = (
+    x.reshape(shape) for x in (log_tv, n_sc, n_kp, has_head, fin)
   )
   kept = kept.reshape(*shape, g_num)
   vn = index.vnorm[:, :, None]  # [b, hk, 1, G]
   live = cnt > 0
-  ok = (index.length[:, None, None] > 0) & fin
-  ok = ok & jnp.all(jnp.isfinite(q), -1)
   cost = _summary_cost(index)[..., None] + n_samp
   out, cert = _finish(
     out,
     log_tv,
-    ok,
+    has_head,
+    fin,
     n_kp,
     n_sc + cost,
-    _certify.max_norm(vn, kept & live),
-    _certify.max_norm(vn, ~kept & live),
-    b,
-    h,
-    query.dtype,
+    core.max_norm(vn, kept & live),
+    core.max_norm(vn, ~kept & live),
     delta,
-    failure_prob=policy.delta if policy.search == "mc" else 0.0,
+    (b, h),
+    query.dtype,
+    failure_prob=policy.failure_prob,
   )
   return out, cert, kept  # kept: [b, hk, g, G] groups kept
 
@@ -502,17 +533,17 @@ def _full_decode(query, index, *, policy, scale):
   """Every stored key scored: 'exact' and fixed-count policies."""
   b, _, h, d = query.shape
   dt = _dtype(query, index)
-  q = _split_heads(query, index, dt)  # [b, hk, g, d]
+  q, qf = _split_heads(query, index, dt)  # [b, hk, g, d]
   bb, hk, g_num, c_sz, _ = index.keys.shape
   k = index.keys.reshape(bb, hk, g_num * c_sz, d).astype(dt)
   v = index.values.reshape(bb, hk, g_num * c_sz, -1)
   s = jnp.einsum("bkgd,bknd->bkgn", q, k) * scale  # [b, hk, g, n]
   valid = (jnp.arange(c_sz) < index.count[..., None]).reshape(bb, hk, -1)
   valid = jnp.broadcast_to(valid[:, :, None], s.shape)
-  delta, _ = logit_error(q, index.key_absmax[:, :, None], scale)
-  norms = _certify.value_norms(v)[:, :, None]  # [b, hk, 1, n]
-  sel = _select.select_with_slack(
-    s, policy, valid=valid, norms=norms, log_extra_slack=2 * delta
+  delta, _ = row_errors(q, qf, index, scale)
+  norms = core.value_norms(v)[:, :, None]  # [b, hk, 1, n]
+  sel = selection.select_rows(
+    s, policy, valid=valid, norms=norms, logit_error=delta
   )
   keep = sel.keep
   m = jnp.max(jnp.where(keep, s, -jnp.inf), -1, keepdims=True)
@@ -522,15 +553,16 @@ def _full_decode(query, index, *, policy, scale):
   out = jnp.einsum("bkgn,bknv->bkgv", p, v.astype(dt))
   out = out / jnp.where(den > 0, den, 1.0)
   cert = sel.certificate
+  head = core.max_norm(norms, keep)
   ok = cert.valid & jnp.all(jnp.isfinite(out), -1)
-  head = _certify.max_norm(norms, keep)
-  cert = _certify.finish_certificate(
-    jnp.where(ok, cert.log_tv_bound, jnp.nan),
+  cert = core.finish_certificate(
+    cert.log_tv_bound,
     ok,
     k_kept=cert.k_kept,
     keys_scored=jnp.sum(valid, -1, dtype=jnp.int32),
-    head_max_norm=head,
-    tail_max_norm=_certify.max_norm(norms, valid & ~keep),
+    head_norm=head,
+    tail_norm=core.max_norm(norms, valid & ~keep),
+    logit_error=delta,
   )
   err = cert.output_error_bound + kept_rounding_error(delta, head)
   cert = dataclasses.replace(cert, output_error_bound=err)
@@ -565,11 +597,11 @@ def index_decode_attention(
   query,
   index: IndexedKVCache,
   *,
-  policy: _policies.Policy,
+  policy: selection.Policy,
   scale: float | None = None,
   implementation: str | None = None,
   key=None,
-) -> tuple[jax.Array, Certificate]:
+) -> tuple[jax.Array, selection.Certificate]:
   """``decode_attention`` over an IndexedKVCache (module docstring).
 
   ``Certified(eps, 'delta' | 'mc')`` search the groups (``block_size`` must
@@ -584,7 +616,7 @@ def index_decode_attention(
     ValueError: on bad shapes, scale, implementation or a refused field.
     TypeError: if ``policy`` is not a selection policy.
   """
-  if not isinstance(policy, _policies.Policy):
+  if not isinstance(policy, selection.Policy):
     raise TypeError(f"{policy=} must be a jaxtopk selection policy")
   query = _check_query(query, index)
   scale = _check_scale(scale, index.head_dim)
@@ -593,28 +625,35 @@ def index_decode_attention(
       f"{implementation=} is not available for an IndexedKVCache; use None"
       " or 'xla'"
     )
-  searching = isinstance(policy, _policies.Certified) and policy.search in (
-    "delta",
-    "mc",
+  searching = isinstance(policy, selection.Certified) and (
+    policy.search.name in ("delta", "mc")
   )
   if not searching:
-    return _full_decode(query, index, policy=policy, scale=scale)
-  if policy.bound != "box":
-    raise ValueError(
-      f"Certified.bound={policy.bound!r} is not supported by an"
-      " IndexedKVCache (its groups are bounded by their balls; use 'box')"
+    policy.require(
+      _BACKEND,
+      selection.capabilities(
+        "policy=Dense",
+        "policy=FixedK",
+        "policy=Ratio",
+        "policy=PowerLaw",
+        "policy=Certified",
+        "search=exact",
+        "max_topk",
+      ),
     )
+    return _full_decode(query, index, policy=policy, scale=scale)
+  policy.require(
+    _BACKEND,
+    selection.capabilities(
+      "policy=Certified", "search=delta", "search=mc", "bound=box"
+    ),
+  )
   if policy.block_size != index.group_size:
     raise ValueError(
       f"Certified.block_size={policy.block_size} must equal the index's"
       f" group_size={index.group_size} for search={policy.search!r}"
     )
-  if policy.max_topk is not None:
-    raise ValueError(
-      f"Certified.max_topk={policy.max_topk} is not supported by"
-      f" search={policy.search!r} over an IndexedKVCache"
-    )
-  if policy.search == "mc" and key is None:
+  if policy.search.needs_rng and key is None:
     raise ValueError("search='mc' needs a PRNG key: pass key=")
   rng = jax.random.key(0) if key is None else key
   out, cert, _ = _search_decode(
@@ -622,7 +661,7 @@ def index_decode_attention(
     index,
     rng,
     jnp.float32(policy.eps),
-    policy=dataclasses.replace(policy, eps=0.5),  # eps is traced
+    policy=selection.Certified(0.5, policy.search),  # eps is traced
     scale=scale,
   )
   return out, cert
@@ -654,7 +693,7 @@ def _selection_row(
   u,
   positions,
   delta,
-  abs_dot,
+  err_base,
   eps,
   *,
   keys,
@@ -662,10 +701,11 @@ def _selection_row(
   scale,
   rounds,
   max_groups,
+  n_terms,
 ):
   """Certificate (and growth when ``max_groups`` > 0) for one query row."""
   g_num = count.shape[0]
-  c_sz, d = keys.shape[1:]
+  c_sz = keys.shape[1]
   dt = q.dtype
   slot, uniq, sel = _selected(positions, slot_row, length, c_sz, g_num)
   gi, ci = base + slot // c_sz, slot % c_sz
@@ -680,42 +720,53 @@ def _selection_row(
   log_mass = jnp.where(
     rem > 0, u + jnp.log(jnp.maximum(rem, 1).astype(dt)), -jnp.inf
   )
-  n_rounds = max(1, -(-max_groups // rounds)) if max_groups else 0
-  slack = _row_slack(
-    abs_dot, delta, log_mass, g_num * c_sz + g_num, n_rounds, dt
-  )
-  out, log_tv, _, kept, n_sc, n_kp, fin2 = _grow_row(
+  fin_lm = jnp.isfinite(log_mass)
+  err = err_base + 4 * jnp.max(jnp.where(fin_lm, jnp.abs(log_mass), 0.0))
+  out, log_tv, _, kept, n_sc, n_kp, has_head, fin2 = _grow_row(
     q,
     base,
     count,
     log_mass,
     init,
     sel,
-    slack,
+    delta,
+    err,
     keys=keys,
     values=values,
     scale=scale,
     log_eps=jnp.log(jnp.asarray(eps, dt)),
     rounds=rounds,
     max_groups=max_groups,
+    n_terms=n_terms,
   )
   n_sel = jnp.sum(uniq, dtype=jnp.int32)
-  head = jnp.max(jnp.where(uniq, _certify.value_norms(vals), 0.0), initial=0.0)
-  n_all = n_sel + n_sc
-  return out, log_tv, kept, rem, n_sel + n_kp, n_all, fin & fin2, head
+  head = core.max_norm(core.value_norms(vals), uniq)
+  return (
+    out,
+    log_tv,
+    kept,
+    rem,
+    n_sel + n_kp,
+    n_sel + n_sc,
+    has_head,
+    fin & fin2,
+    head,
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "max_groups", "rounds"))
 def _selection(query, index, positions, eps, *, scale, max_groups, rounds):
   b, _, h, d = query.shape
   dt = _dtype(query, index)
-  q = _split_heads(query, index, dt)  # [b, hk, g, d]
+  q, qf = _split_heads(query, index, dt)  # [b, hk, g, d]
   hk, g = q.shape[1], q.shape[2]
-  g_num = index.num_groups
+  g_num, c_sz = index.num_groups, index.group_size
   rows = b * hk * g
   pos = positions.reshape(b, hk, g, -1)
-  u = group_upper_bounds(q, index, scale)  # [b, hk, g, G]
-  delta, abs_dot = logit_error(q, index.key_absmax[:, :, None], scale)
+  u = group_upper_bounds(q, index, scale, qf)  # [b, hk, g, G]
+  delta, abs_s = row_errors(q, qf, index, scale)
+  n_rounds = max(1, -(-max_groups // rounds)) if max_groups else 0
+  err_base = 4 * abs_s + 4 * (n_rounds + 2)
   keys, values = _flat_kv(index)
   row = functools.partial(
     _selection_row,
@@ -724,12 +775,13 @@ def _selection(query, index, positions, eps, *, scale, max_groups, rounds):
     scale=scale,
     rounds=rounds,
     max_groups=max_groups,
+    n_terms=g_num * c_sz + g_num,
   )
   base, count = _rows(index, g)
   slot = jnp.broadcast_to(index.slot[:, :, None], (b, hk, g, index.max_len))
   length = jnp.broadcast_to(index.length[:, None, None], (b, hk, g))
   flat = lambda x: x.reshape(rows, *x.shape[3:])
-  out, log_tv, kept, rem, k_kept, n_sc, fin, head = _map_rows(
+  out, log_tv, kept, rem, k_kept, n_sc, has_head, fin, head = _map_rows(
     row,
     q.reshape(rows, d),
     base,
@@ -739,22 +791,31 @@ def _selection(query, index, positions, eps, *, scale, max_groups, rounds):
     flat(u),
     flat(pos),
     flat(delta),
-    flat(abs_dot),
+    flat(err_base),
     jnp.broadcast_to(jnp.asarray(eps, dt), (rows,)),
   )
   shape = (b, hk, g)
   out = out.reshape(*shape, -1)
   kept, rem = kept.reshape(*shape, g_num), rem.reshape(*shape, g_num)
-  log_tv, k_kept, n_sc, fin, head = (
-    x.reshape(shape) for x in (log_tv, k_kept, n_sc, fin, head)
+  log_tv, k_kept, n_sc, has_head, fin, head = (
+    x.reshape(shape) for x in (log_tv, k_kept, n_sc, has_head, fin, head)
   )
   vn = index.vnorm[:, :, None]  # [b, hk, 1, G]
-  head = jnp.maximum(head, _certify.max_norm(vn, kept))
-  tail = _certify.max_norm(vn, ~kept & (rem > 0))
-  ok = (length > 0) & fin & jnp.all(jnp.isfinite(q), -1)
+  head = jnp.maximum(head, core.max_norm(vn, kept))
+  tail = core.max_norm(vn, ~kept & (rem > 0))
   cost = _summary_cost(index)[..., None]
   out, cert = _finish(
-    out, log_tv, ok, k_kept, n_sc + cost, head, tail, b, h, query.dtype, delta
+    out,
+    log_tv,
+    has_head,
+    fin,
+    k_kept,
+    n_sc + cost,
+    head,
+    tail,
+    delta,
+    (b, h),
+    query.dtype,
   )
   return out, cert, kept, pos
 
@@ -782,7 +843,7 @@ def _check_positions(positions, query):
 
 def certify_selection(
   query, index: IndexedKVCache, positions, *, scale: float | None = None
-) -> Certificate:
+) -> selection.Certificate:
   """A sound Certificate for a set of keys chosen by any other method.
 
   THEORY 2.4 and 3.3. The set (a sliding window with attention sinks,
@@ -794,9 +855,10 @@ def certify_selection(
   mass and the groups left out are far from the query.
 
   Defined results: positions < 0 or >= the row's length are ignored (padding
-  of ragged sets); duplicates count once; an empty set gives tv_bound = 1
-  (tau = 1 exactly), k_kept = 0, valid = True when the row has keys; a row
-  with no keys is invalid (valid = False, fields NaN).
+  of ragged sets); duplicates count once; a set with no real key (empty,
+  all padding) keeps nothing, so the row is invalid by ``core.row_valid``
+  (valid = False, float fields NaN, k_kept 0: there is no kept distribution
+  to certify), as is a row of an empty cache.
 
   Args:
     query: ``[batch, 1, num_heads, head_dim]`` one decode query per head.
@@ -829,7 +891,7 @@ def grow_selection(
   eps: float,
   max_groups: int | None = None,
   scale: float | None = None,
-) -> tuple[jax.Array, Selection]:
+) -> tuple[jax.Array, selection.Selection]:
   """Grows a candidate set by whole groups until tau <= eps is certified.
 
   Starts from ``positions`` (a cheap guess: a window, pages, an indexer's
@@ -879,7 +941,9 @@ def grow_selection(
     rounds=index.groups_per_round,
   )
   keep = _kept_positions(index, kept, pos)
-  return out, Selection(keep=keep, k_kept=cert.k_kept, certificate=cert)
+  return out, selection.Selection(
+    keep=keep, k_kept=cert.k_kept, certificate=cert
+  )
 
 
 @jax.jit
