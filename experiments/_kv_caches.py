@@ -8,7 +8,7 @@ not resemble):
 - ``minilm_cache``: MiniLM keys/values of one layer and head over many real
   passages concatenated (each passage encoded on its own, positions 0..255
   each), queries from the LAST passage attending over all of them.
-- ``decoder_cache``: the native Top-k decoder (jaxtopk.nn.TopKDecoder)
+- ``decoder_cache``: the native Top-k decoder (jaxtopk.models.TopKDecoder)
   trained on retrieval tasks at a long context: per layer and head, the
   keys/values of a whole sequence and the query at its answer position.
 - ``clustered_cache``: keys in tight clusters at random positions (content
@@ -19,7 +19,6 @@ not resemble):
 """
 
 import dataclasses
-import functools
 import os
 import time
 
@@ -68,13 +67,15 @@ def minilm_cache(num_passages, max_len, heads, query_stride) -> Cache:
     query_stride: every this-many real tokens of the last passage is a
       query.
   """
-  from jaxtopk import nn as jnn
+  from experiments import _attention_rows
+  from experiments import _real_text
+  from jaxtopk import models
 
-  texts = jnn.real_text_passages(num_passages, max_words=200)
-  model, tok = jnn.load_minilm()
+  texts = _real_text.real_text_passages(num_passages, max_words=200)
+  model, tok = models.load_minilm()
   ks, vs, qs, masks = [], [], [], []
   for lo in range(0, num_passages, 8):
-    a = jnn.minilm_attention_rows(
+    a = _attention_rows.minilm_attention_rows(
       texts[lo : lo + 8], max_len, model=model, tokenizer=tok
     )
     pick = lambda x: np.stack([x[l_, :, h] for l_, h in heads], 1)
@@ -246,16 +247,24 @@ def decoder_params(dcfg, workdir):
   return model, c, time.time() - tick
 
 
-@functools.partial(nnx.jit, static_argnames=())
+@nnx.jit
 def _decoder_qkv(model, tokens):
-  """Per layer: (q, k, v) ``[b, h, s, d]`` of a dense forward pass."""
+  """Per layer: (q, k, v) ``[b, h, s, d]`` of a dense forward pass.
+
+  Walks the decoder's blocks as ``TopKDecoder._forward`` does (its token
+  shift, ``block.qkv`` and dense ``PolicyAttention``), keeping q, k, v.
+  """
+  import jaxtopk
+  from jaxtopk import models
+
+  dense = models.PolicyAttention(jaxtopk.Dense())
   previous = jnp.pad(tokens[:, :-1], ((0, 0), (1, 0)))
   x = model._embed(tokens, previous)
   out = []
   for block in model.blocks:
-    q, k, v = block._qkv(x)  # [b, h, s, d]
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in block.qkv(x))  # [b, h, s, d]
     out.append((q, k, v))
-    x, _, _, _ = block(x, selector=None, rng=None, stats=False)
+    x, _, _, _ = block(x, attention=dense, rng=None)
   logits = model.head(model.final_norm(x))
   return out, logits
 

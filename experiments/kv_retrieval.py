@@ -26,8 +26,9 @@ fewest keys any certified method must score). Then
   position-block Delta-Search, round robin in one run, with the load.
 
 Outputs: config.json, metrics.jsonl (kinds "cache", "search", "per_head",
-"window", "update", "timing", "decoder"), decoder_params.npz, kv_*.png,
-summary.txt.
+"window", "window_grow", "update", "timing", "decoder"), results.json (the
+timing rows with ``_common.machine_info()``), decoder_params.npz,
+kv_*.png, summary.txt.
 
   python -m experiments.kv_retrieval --workdir=experiments/results/kv_retrieval
 """
@@ -38,7 +39,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app
 from absl import logging
 
 import jaxtopk
@@ -119,13 +119,10 @@ def _search(cache, index, eps, search, config, s64):
   """Runs one search on every query; returns per-row numpy arrays."""
   _, _, q = _as_jax(cache)
   c = index.group_size
-  pol = jaxtopk.Certified(
-    0.5,
-    search,
-    block_size=c,
-    delta=config.mc_delta,
-    num_samples=config.mc_samples,
-  )
+  extra = {}
+  if search == "mc":
+    extra = dict(delta=config.mc_delta, num_samples=config.mc_samples)
+  pol = jaxtopk.Certified(0.5, search, block_size=c, **extra)
   _, cert, scored = _index_search._search_decode(  # scored: kept groups
     q,
     index,
@@ -451,9 +448,9 @@ def _caches(config, workdir, writer):
 
 def run(config, workdir, *, overwrite: bool = False) -> dict:
   """Runs every measurement; returns a small summary dict."""
-  workdir = _common.prepare_workdir(workdir, overwrite=overwrite)
-  _common.write_config(workdir, config)
-  writer = _common.MetricWriter(workdir)
+  wd = _common.Workdir(workdir, config, overwrite=overwrite)
+  workdir, writer = wd.path, wd.metrics
+  meta_before = _common.machine_info()
   searches, windows, updates, timings = [], [], [], []
   for cache, group_size, wins in _caches(config, workdir, writer):
     index, build_s = _build(cache, group_size, config)
@@ -501,9 +498,16 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
           note=f"qnoise={qn} build_s={build_s:.1f}",
         )
       )
-  _figures(workdir, searches, windows, timings)
-  text = _tables(searches, windows, updates, timings)
-  _common.write_summary(workdir, text)
+  _figures(wd, searches, windows, timings)
+  wd.write_json(
+    "results.json",
+    dict(
+      meta=_common.machine_info(),
+      load_before=meta_before["load_average_1_5_15"],
+      results=timings,
+    ),
+  )
+  wd.write_summary(_tables(searches, windows, updates, timings))
   return dict(searches=len(searches), windows=len(windows))
 
 
@@ -585,7 +589,7 @@ def _tables(searches, windows, updates, timings):
   return "\n".join(parts)
 
 
-def _figures(workdir, searches, windows, timings):
+def _figures(wd, searches, windows, timings):
   caches = list(dict.fromkeys(r["cache"] for r in searches))
   if caches:
     fig, axes = _common.new_figure(ncols=len(caches))
@@ -616,7 +620,7 @@ def _figures(workdir, searches, windows, timings):
       ax.set_xlabel("eps")
       ax.set_ylabel("keys scored / n")
       ax.legend(fontsize=7)
-    _common.save_figure(fig, workdir, "kv_scored")
+    wd.save_figure(fig, "kv_scored")
   if windows:
     fig, axes = _common.new_figure()
     ax = axes[0, 0]
@@ -633,7 +637,7 @@ def _figures(workdir, searches, windows, timings):
     ax.set_ylabel("certified tv_bound")
     ax.set_title("certify_selection, sinks + window")
     ax.legend(fontsize=6)
-    _common.save_figure(fig, workdir, "kv_windows")
+    wd.save_figure(fig, "kv_windows")
   if timings:
     fig, axes = _common.new_figure(size=(7, 3.5))
     ax = axes[0, 0]
@@ -653,15 +657,8 @@ def _figures(workdir, searches, windows, timings):
     ax.set_xticks(x, names, fontsize=6)
     ax.set_ylabel("time / logits floor")
     ax.legend(fontsize=7)
-    _common.save_figure(fig, workdir, "kv_timing")
-
-
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
+    wd.save_figure(fig, "kv_timing")
 
 
 if __name__ == "__main__":
-  _CONFIG, _WORKDIR, _OVERWRITE = _common.define_flags(NAME)
-  app.run(main)
+  _common.app_main(NAME, run)
