@@ -99,7 +99,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.local.head_dim = 64
   c.local.heads = 4
   c.local.num_queries = 16  # decode queries at the last positions
-  c.local.strength = 3.0  # query scale (peakedness of the local window)
+  c.local.strength = 10.0  # query scale (peakedness of the local window)
   c.local.group_size = 64
   c.local.windows = (64, 256, 1024)
 
@@ -116,7 +116,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.timing.n = 65536
   c.timing.head_dim = 128
   c.timing.heads = 8
-  c.timing.qnoise = (0.5, 1.0, 1.5)  # attention from peaked to flatter
+  # query = centre / qnoise + N(0, I): attention from peaked to flatter.
+  c.timing.qnoise = (1.0, 2.0, 3.0, 4.0)
   c.timing.group_size = 64
   c.timing.eps = 0.05
 

@@ -27,10 +27,14 @@ tokens are not close in key space. Here keys are grouped by CONTENT:
 - Append (``kv_index_update``, one decode step): a new key joins the
   nearest non-full group (its centre is NOT moved, its radius grows to
   cover the key: summaries stay sound with O(groups * head_dim) work and no
-  rebuild). If the key lies outside that group's ball and outside the
-  build's typical radius (``open_radius``), it opens a spare empty group
-  with itself as centre instead (online leader clustering). Keys that had
-  to enlarge a ball beyond that typical radius are counted in ``spilled``;
+  rebuild). If the key lies farther than ``OPEN_FACTOR`` times that
+  group's radius and times the build's mean radius (``open_radius``), it
+  opens a spare empty group with itself as centre instead (online leader
+  clustering; in high dimension a cluster's keys sit at nearly the same
+  distance from its centre, so a key just past the largest one seen still
+  belongs to it, while another cluster's keys lie several radii away).
+  Keys that had to enlarge a ball beyond that threshold (no spare group
+  left) are counted in ``spilled``;
   ``rebuild_kv_index`` re-clusters everything (the caller decides when,
   e.g. every few thousand steps or when ``spilled / length`` passes a
   threshold; BUILD_NOTES measures the cost of not rebuilding).
@@ -48,6 +52,8 @@ from jaxtopk.attention._cache import KVCache
 from jaxtopk.selection import core
 
 DEFAULT_GROUP_SIZE = 64
+OPEN_FACTOR = 1.5  # an appended key this many radii away opens a group
+_ROUND_MACS = 1 << 17  # multiply-adds of q.k per search round (default)
 _ASSIGN_CHUNK = 2048  # keys per chunk of the k-means distance matrix
 
 
@@ -84,9 +90,10 @@ class IndexedKVCache:
     key_flushed: ``[b, hk]`` bool, some stored key has subnormal
       components (read as 0 by a CPU; ``core.logit_error_bound``).
     open_radius: ``[b, hk]`` float32 mean group radius at build: a new key
-      farther than this (and than its nearest group's radius) opens a group.
+      farther than ``OPEN_FACTOR`` times this (and its nearest group's
+      radius) opens a group.
     spilled: ``[b, hk]`` int32 appended keys that enlarged a group's ball
-      beyond ``open_radius`` (a quality statistic; rebuild when it grows).
+      beyond that threshold (a quality statistic; rebuild when it grows).
     length: ``[b]`` int32 filled positions (0 .. length - 1).
     group_size: static capacity C of a group.
     groups_per_round: static number of groups the searches score per round.
@@ -456,9 +463,11 @@ def build_kv_index(
     kmeans_iters: Lloyd iterations (static), on a sample of ``16 *
       num_clusters`` evenly spaced keys; then every key is assigned.
     groups_per_round: groups each search round scores (static), default
-      ``max(1, 1024 // group_size)``: rounds of ~1,024 keys keep the
-      gathered keys in cache (on XLA:CPU one gather of a quarter of a
-      65,536-key cache took 3x the whole logits einsum; BUILD_NOTES).
+      ``max(1, 2**17 // (group_size * head_dim))``: ~131K multiply-adds a
+      round (1,024 keys at head_dim 128), enough to amortise a round's fixed
+      cost, small enough to keep the gathered keys in cache (on XLA:CPU one
+      gather of a quarter of a 65,536-key cache took 3x the whole logits
+      einsum; BUILD_NOTES).
     seed: seed of the k-means++ seeding (static).
 
   Returns:
@@ -499,7 +508,7 @@ def build_kv_index(
     raise ValueError(f"keys must hold at least one position; got {n=}")
   num_clusters = min(num_clusters, n)
   if groups_per_round is None:
-    groups_per_round = max(1, 1024 // group_size)
+    groups_per_round = max(1, _ROUND_MACS // (group_size * d))
   _check_int("groups_per_round", groups_per_round)
   if lengths is None:
     lengths = jnp.full((b,), n, jnp.int32)
@@ -570,7 +579,7 @@ def _append_row(row, k, v, pos, write, c_sz):
   cand = (cnt > 0) & (cnt < c_sz)
   dn = jnp.where(cand, dist, jnp.inf)
   near = jnp.argmin(dn)
-  thresh = jnp.maximum(row["radius"][near], row["open_radius"])
+  thresh = OPEN_FACTOR * jnp.maximum(row["radius"][near], row["open_radius"])
   empty = cnt == 0
   fresh = jnp.argmax(empty)
   far = ~jnp.any(cand) | (dn[near] > thresh)
