@@ -223,12 +223,16 @@ def kv_shard_attention(
   )
   if value_norms is None:
     value_norms = core.value_norms(lax.stop_gradient(value))  # [b, h, s]
+  # A non-finite value enters no output: a row with such a REAL key is
+  # invalid through its NaN norm (core), and a key a row does not attend to
+  # (masked for that row) must not turn its output to NaN via 0 * NaN.
+  value_f = jnp.where(jnp.isfinite(value), value, jnp.zeros((), value.dtype))
 
   def value_fn(p):  # [b, h, t, s] normalised kept weights
     return jnp.einsum(
       "bhts,bhse->bhte",
       p,
-      value,
+      value_f,
       precision=_HIGHEST,
       preferred_element_type=dt,
     )

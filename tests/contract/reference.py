@@ -91,9 +91,17 @@ def tau(p, keep, real) -> np.ndarray:
 
 
 def attend(p, v) -> np.ndarray:
-  """``[..., t, e]`` sum_j p_j v_j in extended precision."""
+  """``[..., t, e]`` sum_j p_j v_j in extended precision.
+
+  Keys of weight 0 contribute nothing, even where their value is not finite
+  (no 0 * NaN); a non-finite value of weight > 0 makes its output NaN.
+  """
+  p, v = np.asarray(p, LD), as_ld(v)
+  fin = np.isfinite(v)
   with np.errstate(over="ignore", invalid="ignore"):
-    return np.einsum("...tn,...ne->...te", np.asarray(p, LD), as_ld(v))
+    out = np.einsum("...tn,...ne->...te", p, np.where(fin, v, 0))
+    bad = np.einsum("...tn,...ne->...te", (p > 0).astype(LD), (~fin).astype(LD))
+  return np.where(bad > 0, np.nan, out)
 
 
 def truncated(p, keep) -> np.ndarray:
