@@ -13,9 +13,9 @@ Families (issue 13): normal rows; magnitudes 1e-38..1e38 with products of
 order one; subnormal components against huge ones; huge and tiny values
 mixed in one vector; ties; one dominant key; a tail far below the head; -inf
 bias; key-padding masks and per-row masks (empty rows, one real key);
-values near overflow and tiny values; non-finite values (rows must be
-invalid). Each dtype (float32, bfloat16, float16) keeps the values inside
-its range.
+values near overflow and tiny values; non-finite values (rows attending
+to one must be invalid; one held by a masked key changes nothing). Each
+dtype (float32, bfloat16, float16) keeps the values inside its range.
 """
 
 import dataclasses
@@ -179,8 +179,13 @@ def _build(family, rng, dtype):
   elif family == "nonfinite_values":
     j = rng.integers(N)
     v[:, j, :, N] = rng.choice([np.nan, np.inf, -np.inf])
-    if rng.random() < 0.5:
-      mask = np.broadcast_to(rng.random((B, 1, 1, N)) < 0.7, (B, 1, T, N))
+    # A key nobody attends to holds a non-finite value too: it must change
+    # nothing (no 0 * NaN in an output). Key j stays real or not by chance.
+    j2 = (j + 1 + rng.integers(N - 1)) % N
+    v[:, j2, :, N + 1] = rng.choice([np.nan, np.inf, -np.inf])
+    mask = rng.random((B, 1, 1, N)) < (0.7 if rng.random() < 0.5 else 1.0)
+    mask[..., j2] = False
+    mask = np.broadcast_to(mask, (B, 1, T, N))
   else:
     raise ValueError(f"unknown {family=}")
   return q, k, v, mask, bias
