@@ -56,7 +56,9 @@ from tests.contract import variants as var
 _PREFILL = ("xla_prefill", "flax_layer", "attention_fn")  # owner: prefill
 _NONFINITE = (
   "XLA prefill not on the core yet: a row made invalid by a non-finite"
-  " value returns a nonzero output (the defined result is zeros)"
+  " value returns a nonzero output (the defined result is zeros); a"
+  " non-finite value held by a masked key gives a valid row a non-finite"
+  " output (0 * NaN)"
 )
 _TRIVIAL = (
   "; trivial tv_bound = 1 on rows whose logits cannot overflow (the"
@@ -68,8 +70,8 @@ _MC_AS_EXACT = (
 )
 _DECODE = (
   "XLA decode not on the core yet (owner: decode): tv_bound below the"
-  " truth for a subnormal query component x huge key (issue 13), nonzero"
-  " output on invalid rows"
+  " truth for a huge query component x subnormal key components (issue"
+  " 13; also 'magnitude' rows under soak), nonzero output on invalid rows"
 )
 _DECODE_REFUSES = (
   "XLA decode refuses {} by name while the variant line declares every"
