@@ -61,7 +61,6 @@ KNOWN_PRIVATE_IMPORTS = {
     "jaxtopk.selection._policies",
     "jaxtopk.selection._search",
     "jaxtopk.selection._select",
-    "jaxtopk.selection._threshold",
     "jaxtopk.theory._tail",
   },
   "attention/_topk.py": {
@@ -76,7 +75,6 @@ KNOWN_PRIVATE_IMPORTS = {
     "jaxtopk.selection._certify",
     "jaxtopk.theory._tail",
   },
-  "parallel/_global_select.py": {"jaxtopk.selection._threshold"},
   "parallel/_kv_sharded.py": {
     "jaxtopk.selection._certify",
     "jaxtopk.selection._select",

@@ -37,7 +37,7 @@ from jaxtopk.selection import _certify
 from jaxtopk.selection import _policies
 from jaxtopk.selection import _search
 from jaxtopk.selection import _select
-from jaxtopk.selection import _threshold
+from jaxtopk.selection import threshold
 from jaxtopk.selection._certificate import Certificate
 from jaxtopk.theory import _tail
 
@@ -81,7 +81,7 @@ def topk_indices(s, topk, valid, max_topk):
   lead = s.shape[:-1]
   if n % c or max_topk * c * 2 > n:
     # Short rows or large kept sets: one radix select over the row.
-    keep = _threshold.topk_mask(s, topk, valid)
+    keep = threshold.topk_mask(s, topk, valid)
     idx = _nonzero_rows(keep, max_topk)
   else:
     nb = n // c
@@ -90,7 +90,7 @@ def topk_indices(s, topk, valid, max_topk):
     vbk = valid.reshape(*lead, nb, c)
     bmax = jnp.max(sb, -1)  # [..., nb]
     bvalid = jnp.any(vbk, -1)
-    bkeep = _threshold.topk_mask(bmax, topk, bvalid)  # topk sub-blocks
+    bkeep = threshold.topk_mask(bmax, topk, bvalid)  # topk sub-blocks
     bidx = _nonzero_rows(bkeep, max_topk)  # [..., K]
     cand = jnp.take_along_axis(sb, bidx[..., None], axis=-2)  # [..., K, c]
     cvalid = jnp.take_along_axis(vbk, bidx[..., None], axis=-2)
@@ -98,7 +98,7 @@ def topk_indices(s, topk, valid, max_topk):
     real = jnp.arange(max_topk) < n_blk[..., None]  # [..., K]
     cvalid = (cvalid & real[..., None]).reshape(*lead, max_topk * c)
     cand = cand.reshape(*lead, max_topk * c)
-    ckeep = _threshold.topk_mask(cand, topk, cvalid)
+    ckeep = threshold.topk_mask(cand, topk, cvalid)
     pos = _nonzero_rows(ckeep, max_topk)  # [..., K] in candidates
     blk = jnp.take_along_axis(bidx, pos // c, axis=-1)
     idx = blk * c + pos % c
