@@ -147,9 +147,7 @@ class BudgetThresholdTest(parameterized.TestCase):
         for r in range(3)
       ]
     )
-    log_budget = (np.log(frac) + (0.0 if relative else lse)).astype(
-      np.float32
-    )
+    log_budget = (np.log(frac) + (0.0 if relative else lse)).astype(np.float32)
     fn = jax.jit(threshold.budget_threshold, static_argnames="relative")
     t = np.asarray(fn(s, log_budget, valid, relative=relative))
     for r in range(3):
