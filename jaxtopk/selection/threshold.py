@@ -457,8 +457,10 @@ def mask_indices(mask, size: int, *, group: int = GROUP, strided=True):
       the output is in increasing position.
 
   Returns:
-    ``(idx, ok)``: ``[..., size]`` int32 positions (0 in unused slots) and
-    bool, True for the ``min(size, count)`` used slots.
+    ``(idx, ok, count)``: ``[..., size]`` int32 positions (0 in unused
+    slots), ``[..., size]`` bool True for the ``min(size, count)`` used
+    slots, and ``[...]`` int32 count of True entries of the row (possibly
+    more than ``size``).
   """
   mask = jnp.asarray(mask, bool)
   lead, n = mask.shape[:-1], mask.shape[-1]
@@ -496,4 +498,4 @@ def mask_indices(mask, size: int, *, group: int = GROUP, strided=True):
   else:
     idx = col * c + within
   ok = slot < total[..., None]
-  return jnp.where(ok, idx, 0), ok
+  return jnp.where(ok, idx, 0), ok, total

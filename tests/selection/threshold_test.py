@@ -224,9 +224,10 @@ class MaskIndicesTest(parameterized.TestCase):
   def test_finds_the_true_positions(self, n, size, strided):
     rng = np.random.default_rng(n * size)
     m = rng.random((3, n)) < np.array([[0.0], [0.05], [0.7]])
-    idx, ok = jax.jit(
+    idx, ok, count = jax.jit(
       threshold.mask_indices, static_argnames=("size", "strided")
     )(m, size=size, strided=strided)
+    np.testing.assert_array_equal(count, m.sum(-1))
     for r in range(3):
       ref = np.nonzero(m[r])[0]
       got = np.asarray(idx[r])[np.asarray(ok[r])]
