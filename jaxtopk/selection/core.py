@@ -470,6 +470,7 @@ def finish_certificate(
   if head_norm is not None:
     err = output_error_bound(tv, head_norm, tail_norm)
     if logit_error is not None:
+      err = _plus_kept_logit_error(err, logit_error, head_norm)
       err = jnp.where(jnp.asarray(logit_error) < jnp.inf, err, jnp.inf)
     err = jnp.where(valid, jnp.broadcast_to(err, shape), jnp.nan)
   return Certificate(
@@ -483,6 +484,28 @@ def finish_certificate(
     valid=valid,
     failure_prob=failure_prob,
   )
+
+
+def _plus_kept_logit_error(err, logit_error, head_norm):
+  """``err`` + 2 (1 - e^{-2 delta}) max kept ||v||, rounded up.
+
+  The output is computed from the computed logits of the kept keys, each
+  within delta of the exact one: its weights are within a factor e^{+-2
+  delta} of the exact kept-set softmax, so sum_i |p~_i - p_i| <= 2 (1 -
+  e^{-2 delta}) and the two kept-set outputs differ by at most that times
+  the largest kept value norm (q = [1e-38, 1] read as [0, 1] moves a logit
+  by 3, with every key kept: tv 0 but an output error ~0.9).
+  """
+  dt = err.dtype
+  eps, tiny = _eps(dt), _tiny(dt)
+  delta = jnp.asarray(logit_error, dt)
+  h = jnp.asarray(head_norm, dt)
+  h = jnp.where(_subnormal(h), tiny, h)
+  frac = jnp.minimum(-jnp.expm1(-2 * delta) * (1 + 4 * eps), 1.0)
+  frac = up_positive(frac, delta > 0)
+  kept = up_positive(2 * frac * h * (1 + 2 * eps), (delta > 0) & (h > 0))
+  total = up_positive((err + kept) * (1 + 2 * eps), (err > 0) | (kept > 0))
+  return jnp.where(kept > 0, total, err)
 
 
 def _log_sum_exp_parts(x, where):
