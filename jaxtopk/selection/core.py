@@ -57,6 +57,9 @@ Names (one line each):
   masses, counts, norms); ``merge``, ``Partial.reduce``, ``finalize``.
 - ``tail_log_bound(...)``: log tau from head and tail log masses, rounded up.
 - ``output_error_bound(tv, head_norm, tail_norm)``: THEORY 4.2 + 4.4.
+- ``logit_output_error(logit_error, head_norm)``: how far logits off by
+  delta move the computed output from Attn_k (added by
+  ``finish_certificate``).
 - ``finish_certificate(...)``: log tv + validity + counts -> Certificate.
 - ``certificate_from_logits(...)``: the Certificate of a kept set when every
   logit of the row is known.
@@ -395,6 +398,36 @@ def output_error_bound(tv_bound, head_norm, tail_norm) -> jax.Array:
   return jnp.where(bad, jnp.nan, jnp.where(tv == 0, 0.0, b))
 
 
+def logit_output_error(logit_error, head_norm) -> jax.Array:
+  """Bound on ||Attn_k - sum_H p~_j v_j|| for logits off by <= delta.
+
+  The computed output weighs the kept values with p~, the softmax of the
+  COMPUTED kept logits; Attn_k weighs them with the exact P_hat. Each ratio
+  p~_j / P_hat_j lies in [e^{-2 delta}, e^{2 delta}], so TV(P_hat, p~) <=
+  1 - e^{-2 delta} and the two outputs differ by at most 2 (1 - e^{-2
+  delta}) max_H ||v_j|| (<= 4 delta max_H ||v_j||). Without it a row that
+  keeps every key (tv = 0) would claim 0 while a subnormal query component
+  read as 0 moves its computed output by O(1) (issue 13). Rounded up;
+  0 when delta = 0; +inf for an infinite delta.
+
+  Args:
+    logit_error: ``[...]`` delta (``logit_error_bound``).
+    head_norm: ``[...]`` max ||v_j|| over the kept keys.
+
+  Returns:
+    ``[...]`` nonnegative bound (NaN where ``head_norm`` is NaN).
+  """
+  h = jnp.asarray(head_norm)
+  dt = h.dtype
+  delta = jnp.asarray(logit_error, dt)
+  eps, tiny = _eps(dt), _tiny(dt)
+  frac = -jnp.expm1(-2 * jnp.maximum(delta, 0.0))  # in [0, 1]
+  frac = jnp.minimum(2 * frac * (1 + 4 * eps), 2.0)
+  h = jnp.where(_subnormal(h), tiny, h)
+  b = up_positive(frac * h * (1 + 4 * eps), (frac > 0) & (h > 0))
+  return jnp.where(delta > 0, b, jnp.zeros((), dt))
+
+
 def logits_ok(logits, real) -> jax.Array:
   """``[...]`` True where no real logit of the row is NaN or +inf.
 
@@ -444,8 +477,9 @@ def finish_certificate(
 
   tv_bound = ``exp_up(log_tv)`` (never 0 for a positive bound, even when it
   is below the smallest normal); output_error_bound from
-  ``output_error_bound`` when norms are given (+inf where ``logit_error``
-  is +inf: the certificate is trivial). Float fields are NaN and ``k_kept``
+  ``output_error_bound`` when norms are given, plus
+  ``logit_output_error`` when ``logit_error`` is (+inf where it is +inf:
+  the certificate is trivial). Float fields are NaN and ``k_kept``
   is 0 where not ``valid``.
 
   Args:
@@ -470,7 +504,7 @@ def finish_certificate(
   if head_norm is not None:
     err = output_error_bound(tv, head_norm, tail_norm)
     if logit_error is not None:
-      err = _plus_kept_logit_error(err, logit_error, head_norm)
+      err = err + logit_output_error(logit_error, head_norm)
       err = jnp.where(jnp.asarray(logit_error) < jnp.inf, err, jnp.inf)
     err = jnp.where(valid, jnp.broadcast_to(err, shape), jnp.nan)
   return Certificate(
@@ -484,28 +518,6 @@ def finish_certificate(
     valid=valid,
     failure_prob=failure_prob,
   )
-
-
-def _plus_kept_logit_error(err, logit_error, head_norm):
-  """``err`` + 2 (1 - e^{-2 delta}) max kept ||v||, rounded up.
-
-  The output is computed from the computed logits of the kept keys, each
-  within delta of the exact one: its weights are within a factor e^{+-2
-  delta} of the exact kept-set softmax, so sum_i |p~_i - p_i| <= 2 (1 -
-  e^{-2 delta}) and the two kept-set outputs differ by at most that times
-  the largest kept value norm (q = [1e-38, 1] read as [0, 1] moves a logit
-  by 3, with every key kept: tv 0 but an output error ~0.9).
-  """
-  dt = err.dtype
-  eps, tiny = _eps(dt), _tiny(dt)
-  delta = jnp.asarray(logit_error, dt)
-  h = jnp.asarray(head_norm, dt)
-  h = jnp.where(_subnormal(h), tiny, h)
-  frac = jnp.minimum(-jnp.expm1(-2 * delta) * (1 + 4 * eps), 1.0)
-  frac = up_positive(frac, delta > 0)
-  kept = up_positive(2 * frac * h * (1 + 2 * eps), (delta > 0) & (h > 0))
-  total = up_positive((err + kept) * (1 + 2 * eps), (err > 0) | (kept > 0))
-  return jnp.where(kept > 0, total, err)
 
 
 def _log_sum_exp_parts(x, where):
