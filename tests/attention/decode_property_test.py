@@ -10,6 +10,7 @@ decode to run, not only the full-row fallbacks.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 from hypothesis import given
@@ -92,6 +93,7 @@ def _decode(q, k, length, policy, dtype):
 
 
 class DecodeSoundnessTest(parameterized.TestCase):
+  @pytest.mark.slow  # ~10 compilations (5 policies x 2 dtypes), 60 examples
   @given(
     row=decode_rows(),
     which=st.integers(0, len(POLICIES) - 1),
