@@ -10,9 +10,13 @@ jax.lax.top_k + gather, at 8 heads, head_dim 128, rho = 1/64, n = 16,384 and
 - lax_topk:  logits, jax.lax.top_k(k = n/64), gather kept V, softmax
 - jaxtopk:   jaxtopk.decode_attention(policy=Ratio(1/64)), INCLUDING its
              certificate (tail mass pass, value-norm bound)
-- jaxtopk_select: breakdown, its logits + Top-k indices alone (the private
-             ``jaxtopk.attention._decode`` steps 1-4: no values, no
+- jaxtopk_select: breakdown, its logits + Top-k indices alone
+             (``jaxtopk.attention._decode.topk_indices``: no values, no
              certificate), to show where the time beyond the floor goes
+- cert_peaked: decode_attention(policy=Certified(0.05)) on peaked rows
+             (query scaled so the logits have std ~4: ~1% of keys kept)
+- cert_flat: the same on flat rows (logit std ~0.1: most keys kept, the
+             dense fallback); goal: never above ``dense``
 
 Each variant is jitted, warmed up, then timed ``config.repeats`` times;
 ``results.json`` records min and median (the machine is shared, so min is
@@ -34,7 +38,14 @@ from experiments import _common
 from jaxtopk.attention import _decode
 
 NAME = "bench_decode"
-VARIANTS = ("dense", "lax_topk", "jaxtopk", "jaxtopk_select")
+VARIANTS = (
+  "dense",
+  "lax_topk",
+  "jaxtopk",
+  "jaxtopk_select",
+  "cert_peaked",
+  "cert_flat",
+)
 
 
 def bench(n, *, heads, head_dim, rho, repeats):
@@ -76,11 +87,20 @@ def bench(n, *, heads, head_dim, rho, repeats):
     return jaxtopk.decode_attention(q, cache, policy=policy)
 
   @jax.jit
-  def select_only(q, cache):
-    s = _decode._logits(q, cache, scale)[1]  # [b, hk, g, n]
-    valid = jnp.broadcast_to(cache.valid()[:, :, None], s.shape)
+  def select_only(qh, keys, cache):
+    s = jnp.einsum("bhd,bhnd->bhn", qh, keys) * scale  # [b, h, n]
+    valid = jnp.broadcast_to(cache.valid(), s.shape)
     count = jnp.full(s.shape[:-1], topk, jnp.int32)
     return _decode.topk_indices(s, count, valid, topk)
+
+  certified = jaxtopk.Certified(0.05)
+
+  @jax.jit
+  def cert_fn(q, cache):
+    return jaxtopk.decode_attention(q, cache, policy=certified)
+
+  # Logit std = |q| / sqrt(d) * |k| ~ 1 for normal q, k: peaked x4, flat x0.1.
+  q_peaked, q_flat = 4.0 * q, 0.1 * q
 
   res = dict(n=n, heads=heads, head_dim=head_dim, topk=topk)
   res.update(
@@ -90,7 +110,9 @@ def bench(n, *, heads, head_dim, rho, repeats):
         dense=(dense, (qh, keys, values)),
         lax_topk=(lax_topk, (qh, keys, values)),
         jaxtopk=(ours, (q, cache)),
-        jaxtopk_select=(select_only, (q, cache)),
+        jaxtopk_select=(select_only, (qh, keys, cache)),
+        cert_peaked=(cert_fn, (q_peaked, cache)),
+        cert_flat=(cert_fn, (q_flat, cache)),
       ),
       repeats=repeats,
     )
@@ -100,7 +122,12 @@ def bench(n, *, heads, head_dim, rho, repeats):
   ref = lax_topk(qh, keys, values)
   res["max_abs_diff_vs_lax_topk"] = float(jnp.max(jnp.abs(out[:, 0] - ref)))
   res["tv_bound_mean"] = float(jnp.mean(cert.tv_bound))
-  for name in ("dense", "lax_topk", "jaxtopk", "jaxtopk_select"):
+  for which, qq in (("peaked", q_peaked), ("flat", q_flat)):
+    _, c = cert_fn(qq, cache)
+    res[f"cert_{which}_k_kept_mean"] = float(jnp.mean(c.k_kept))
+    res[f"cert_{which}_tv_bound_max"] = float(jnp.max(c.tv_bound))
+    res[f"cert_{which}_valid"] = bool(jnp.all(c.valid))
+  for name in VARIANTS:
     for stat in ("min_ms", "median_ms"):
       res[f"{name}_over_floor_{stat[:-3]}"] = (
         res[name][stat] / res["floor"][stat]

@@ -40,6 +40,7 @@ import numpy as np
 
 import jaxtopk
 from experiments import _common
+from jaxtopk.selection import threshold
 
 NAME = "bench_selection"
 
@@ -85,6 +86,49 @@ def part_exact(sizes, rows, eps, repeats):
     r["k_kept_mean"] = float(jnp.mean(sel.k_kept))
     r["tv_bound_max"] = float(jnp.max(sel.certificate.tv_bound))
     r["baseline_tau_max"] = float(jnp.max(tau_b))
+    print(json.dumps(r), flush=True)
+    out.append(r)
+  return out
+
+
+def part_topk(sizes, rows, repeats):
+  """Top-k threshold (k = n / 64) of ``rows`` rows: few-pass radix (8-bit
+  digits, 4 passes), bit-by-bit radix (32 passes), lax.top_k, full sort."""
+  out = []
+  thr = threshold.topk_threshold
+  for n in sizes:
+    k = max(1, n // 64)
+    s = 2.5 * jax.random.normal(jax.random.key(n), (rows, n))
+    valid = jnp.ones((rows, n), bool)
+    kk = jnp.full((rows,), k, jnp.int32)
+    bits = dict(few_pass=8, bitwise_radix=1)
+    variants = {
+      name: jax.jit(
+        lambda s, kk, valid, b=b: thr(s, kk, valid, digit_bits=b)[0]
+      )
+      for name, b in bits.items()
+    }
+    variants["lax_top_k"] = jax.jit(
+      lambda s, kk, valid, k=k: jax.lax.top_k(s, k)[0][:, -1]
+    )
+    variants["sort"] = jax.jit(
+      lambda s, kk, valid, k=k, n=n: jnp.sort(s, axis=-1)[:, n - k]
+    )
+    args = (s, kk, valid)
+    r = dict(n=n, rows=rows, topk=k)
+    r.update(
+      _common.time_round_robin(
+        {name: (fn, args) for name, fn in variants.items()}, repeats=repeats
+      )
+    )
+    ref = variants["sort"](*args)
+    r["agree"] = all(
+      bool(jnp.all(fn(*args) == ref)) for fn in variants.values()
+    )
+    for name in ("bitwise_radix", "lax_top_k", "sort"):
+      r[f"{name}_over_few_pass_min"] = (
+        r[name]["min_ms"] / r["few_pass"]["min_ms"]
+      )
     print(json.dumps(r), flush=True)
     out.append(r)
   return out
@@ -266,6 +310,12 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
       title=f"Certified({config.eps}) selection vs sort + cumsum",
       log=True,
     )
+  if "topk" in config.parts:
+    result["topk"] = part_topk(
+      [int(x) for x in config.sizes], config.rows, config.repeats
+    )
+    for r in result["topk"]:
+      wd.metrics.write("topk", **r)
   if "delta" in config.parts:
     result["delta"] = part_delta(config)
     rows = result["delta"]["minilm"] + [

@@ -50,20 +50,6 @@ ALLOWED["tasks"] = set()
 # replaced by documented internal APIs by the owners of these files; see
 # BUILD_NOTES "House layout").
 KNOWN_PRIVATE_IMPORTS = {
-  "attention/_cache.py": {
-    "jaxtopk.selection._certify",
-    "jaxtopk.theory._blockwise",
-    "jaxtopk.theory._tail",
-  },
-  "attention/_decode.py": {
-    "jaxtopk.selection._certificate",
-    "jaxtopk.selection._certify",
-    "jaxtopk.selection._policies",
-    "jaxtopk.selection._search",
-    "jaxtopk.selection._select",
-    "jaxtopk.selection._threshold",
-    "jaxtopk.theory._tail",
-  },
   "attention/_topk.py": {
     "jaxtopk.selection._certificate",
     "jaxtopk.selection._certify",
@@ -71,7 +57,6 @@ KNOWN_PRIVATE_IMPORTS = {
     "jaxtopk.selection._select",
     "jaxtopk.theory._tail",
   },
-  "parallel/_global_select.py": {"jaxtopk.selection._threshold"},
   "selection/_search.py": {"jaxtopk.theory._blockwise"},
 }
 

@@ -5,8 +5,8 @@ Launch (default; ~15 minutes on the 2-core CPU, most of it part 'delta'):
   python -m experiments.bench_selection \
     --config=experiments/configs/bench_selection.py --workdir=/tmp/bench_sel
 
-One part only: ``--config.parts=exact`` (or ``delta``). Smoke (seconds;
-what the CI test runs): append ``:smoke`` to the config.
+One part only: ``--config.parts=exact`` (or ``topk``, ``delta``). Smoke
+(seconds; what the CI test runs): append ``:smoke`` to the config.
 """
 
 import ml_collections
@@ -15,7 +15,9 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """Default config, or the ``smoke`` variant when ``arg == 'smoke'``."""
   c = ml_collections.ConfigDict()
-  c.parts = ("exact", "delta")  # which parts to run
+  c.parts = ("exact", "topk", "delta")  # which parts to run
+  # Part 'topk': the Top-k threshold (k = n / 64): few-pass radix vs
+  # bit-by-bit radix vs lax.top_k vs sort (same sizes, rows, repeats).
   # Part 'exact': select(Certified(eps)) vs sort + cumsum, timed.
   c.sizes = (4096, 16384, 65536, 262144)  # row lengths n
   c.rows = 8  # rows per call

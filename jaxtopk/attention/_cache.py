@@ -7,7 +7,13 @@ Next to the keys it keeps, per block of ``block_size`` positions, the
 per-dimension min/max box of the keys (THEORY 3.3, box form) and the largest
 value norm (THEORY 4.2), both updated by scatter-min/max when steps are
 appended, so a decode step can bound a block's logits and its values without
-reading it.
+reading it. It also keeps what every decode step's certificate needs and
+would otherwise recompute over the whole cache (``core.norms_up`` costs ~6x
+a plain norm): each value's norm (``value_norms``, computed once when the
+step is appended; the certificate reduces it over the kept and dropped keys)
+and, per row, the largest |k_c| per dimension, the largest key norm and
+whether a key holds subnormal components (the inputs of
+``core.logit_error_bound``), all running maxima updated in O(steps).
 """
 
 import dataclasses
@@ -15,9 +21,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxtopk.selection import _certify
-from jaxtopk.theory import _blockwise
-from jaxtopk.theory import _tail
+from jaxtopk.selection import core
+from jaxtopk.theory import BoxSummary
 
 
 @jax.tree_util.register_dataclass
@@ -35,6 +40,18 @@ class KVCache:
       for an empty block).
     vnorm: ``[batch, kv_heads, n_blocks]`` float32 largest ||v||_2 of the
       block's filled values, rounded up (0 for an empty block).
+    value_norms: ``[batch, kv_heads, max_len]`` float32 ||v_j||_2 of each
+      filled value, rounded up (``core.value_norms``: NaN for a value with a
+      non-finite component; 0 at empty positions).
+    kabs: ``[batch, kv_heads, head_dim]`` float32 largest |k_c| over the
+      filled keys (0 when empty).
+    knorm: ``[batch, kv_heads]`` float32 largest ||k_j||_2 over the filled
+      keys, rounded up (``core.norms_up``; NaN or inf for a non-finite key).
+    kflushed: ``[batch, kv_heads]`` bool, some filled key has subnormal
+      components (``core.flushed``: the CPU reads them as 0).
+    vmax: ``[batch, kv_heads]`` float32 largest ``value_norms`` over the
+      filled values (NaN if one is NaN; 0 when empty): a bound on the norm
+      of any dropped value.
     block_size: static positions per block; max_len is a multiple of it.
   """
 
@@ -44,6 +61,11 @@ class KVCache:
   kmin: jax.Array
   kmax: jax.Array
   vnorm: jax.Array
+  value_norms: jax.Array
+  kabs: jax.Array
+  knorm: jax.Array
+  kflushed: jax.Array
+  vmax: jax.Array
   block_size: int = dataclasses.field(metadata=dict(static=True))
 
   @property
@@ -65,11 +87,11 @@ class KVCache:
     pos = jnp.arange(self.max_len, dtype=jnp.int32)
     return (pos[None, :] < self.length[:, None])[:, None, :]
 
-  def box(self) -> _blockwise.BoxSummary:
+  def box(self) -> BoxSummary:
     """The key boxes as a theory BoxSummary (empty blocks: zero box)."""
     cnt = jnp.broadcast_to(self.block_count(), self.vnorm.shape)
     empty = (cnt == 0)[..., None]
-    return _blockwise.BoxSummary(
+    return BoxSummary(
       kmin=jnp.where(empty, 0.0, self.kmin),
       kmax=jnp.where(empty, 0.0, self.kmax),
       count=cnt,
@@ -117,15 +139,21 @@ def init_kv_cache(
   if max_len % block_size:
     raise ValueError(f"{max_len=} must be a multiple of {block_size=}")
   dv = head_dim if value_dim is None else value_dim
-  sdt = _tail.compute_dtype(dtype)
+  sdt = core.compute_dtype(dtype)
   nb = max_len // block_size
+  bh = (batch, num_kv_heads)
   return KVCache(
-    keys=jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype),
-    values=jnp.zeros((batch, num_kv_heads, max_len, dv), dtype),
+    keys=jnp.zeros((*bh, max_len, head_dim), dtype),
+    values=jnp.zeros((*bh, max_len, dv), dtype),
     length=jnp.zeros((batch,), jnp.int32),
-    kmin=jnp.full((batch, num_kv_heads, nb, head_dim), jnp.inf, sdt),
-    kmax=jnp.full((batch, num_kv_heads, nb, head_dim), -jnp.inf, sdt),
-    vnorm=jnp.zeros((batch, num_kv_heads, nb), sdt),
+    kmin=jnp.full((*bh, nb, head_dim), jnp.inf, sdt),
+    kmax=jnp.full((*bh, nb, head_dim), -jnp.inf, sdt),
+    vnorm=jnp.zeros((*bh, nb), sdt),
+    value_norms=jnp.zeros((*bh, max_len), sdt),
+    kabs=jnp.zeros((*bh, head_dim), sdt),
+    knorm=jnp.zeros(bh, sdt),
+    kflushed=jnp.zeros(bh, bool),
+    vmax=jnp.zeros(bh, sdt),
     block_size=block_size,
   )
 
@@ -135,8 +163,9 @@ def kv_cache_update(cache: KVCache, key, value, *, num_steps=None) -> KVCache:
   """Appends ``steps`` positions to every batch row of the cache.
 
   Keys and values are written at positions ``length .. length + steps - 1``
-  of each row (rows may have different lengths), and the block boxes and
-  value norms are updated by scatter-min/max: O(steps) work, no re-scan.
+  of each row (rows may have different lengths), and the block boxes, value
+  norms and key summaries are updated by scatter-min/max and running maxima:
+  O(steps) work, no re-scan.
   Positions past ``max_len`` are dropped and ``length`` saturates at
   ``max_len``.
 
@@ -186,8 +215,15 @@ def kv_cache_update(cache: KVCache, key, value, *, num_steps=None) -> KVCache:
   k32 = key.astype(cache.kmin.dtype)
   kmin = cache.kmin.at[bi, :, blk].min(k32, mode="drop")
   kmax = cache.kmax.at[bi, :, blk].max(k32, mode="drop")
-  vn = _certify.value_norms(value).astype(cache.vnorm.dtype)  # [b, st, h]
+  vn = core.value_norms(value).astype(cache.vnorm.dtype)  # [b, st, h]
   vnorm = cache.vnorm.at[bi, :, blk].max(vn, mode="drop")
+  value_norms = cache.value_norms.at[bi, :, pos].set(vn, mode="drop")
+  # Running key summaries over the written steps only ([b, st, h, ...]).
+  real = (pos < cache.max_len)[:, :, None]  # [b, st, 1]
+  kabs = jnp.max(jnp.where(real[..., None], jnp.abs(k32), 0.0), axis=1)
+  kn = jnp.max(jnp.where(real, core.norms_up(key), 0.0), axis=1)  # [b, h]
+  kf = jnp.any(real & core.flushed(key), axis=1)  # [b, h]
+  vm = jnp.max(jnp.where(real, vn, 0.0), axis=1)  # [b, h], NaN propagates
   length = jnp.minimum(cache.length + num_steps, cache.max_len)
   return dataclasses.replace(
     cache,
@@ -197,4 +233,14 @@ def kv_cache_update(cache: KVCache, key, value, *, num_steps=None) -> KVCache:
     kmin=kmin,
     kmax=kmax,
     vnorm=vnorm,
+    value_norms=value_norms,
+    kabs=jnp.maximum(cache.kabs, kabs),
+    knorm=_nan_max(cache.knorm, kn.astype(cache.knorm.dtype)),
+    kflushed=cache.kflushed | kf,
+    vmax=_nan_max(cache.vmax, vm),
   )
+
+
+def _nan_max(a, b):
+  """Elementwise max that keeps a NaN (a broken key marks its row)."""
+  return jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.nan, jnp.maximum(a, b))

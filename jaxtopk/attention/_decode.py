@@ -1,47 +1,89 @@
 """One decode step over a KVCache: Top-k attention with a Certificate.
 
 THEORY 8.1 (exact Top-k decoding), 6.1-6.3 (certified searches), 3.3 (block
-bounds from the cached boxes). One new query per sequence and head attends
-to the filled cache positions.
+bounds from the cached boxes), 4.2/4.4 (output error). One new query per
+sequence and head attends to the filled cache positions. Every certificate
+comes from ``jaxtopk.selection.core`` (``Partial`` statistics of the kept
+and dropped keys, merged and finalised there); selection only decides the
+kept set (``jaxtopk.selection.threshold``).
 
-Fixed-count policies (FixedK, Ratio, PowerLaw) take the fast path, built to
-stay close to the cost of computing the logits (the floor; DESIGN: a full
-sort, or lax.top_k then gather, costs 1.65x the floor on CPU):
+The XLA path is built to cost about the logits (the floor: one einsum over
+the head-major cache, which reads every key) plus a few light passes over
+the ``[b, h, n]`` logits and the kept values only:
 
-1. logits s = scale q.K over the head-major cache;                 [b,h,n]
-2. maxima of sub-blocks of 16 positions;                           [b,h,n/16]
-3. radix select (32 count passes) of the topk-th largest sub-block max,
-   and the indices of the ``topk`` sub-blocks with the largest maxima: they
-   hold a valid Top-k set (each has an element >= the threshold);
-4. radix select of the exact Top-k among those 16 * topk candidates and
-   their indices (``jnp.nonzero`` with a static size);
-5. gather of the kept values only (never a pass over all values), softmax
-   over the kept logits;
-6. the certificate's tail mass in one fused pass (sum of e^s below the
-   threshold, plus the tied keys that were not kept).
+1. logits s = scale q.K over the head-major cache;              [b, h, n]
+2. maxima of strided columns of the row (one vectorised pass);    [b, h, n/g]
+3. a BRACKET lo, from the column maxima alone, such that every key the
+   policy keeps is >= lo: the topk-th largest column max (fixed counts: the
+   topk columns above it hold topk distinct keys >= it), or, for
+   ``Certified(eps)``, the largest lo whose dropped mass is bounded by
+   ``Z - sum_{columns with max >= lo} e^{max}`` <= eps Z (each column max is
+   a distinct key >= lo);
+4. one pass: the keys >= lo (the candidates) compacted into a static
+   capacity (``threshold.mask_indices``), and the partial softmax
+   statistics of the keys below lo (``core.Partial``, for the certificate);
+5. the exact threshold among the candidates (``threshold.topk_threshold``
+   or ``budget_threshold`` with the mass below lo as extra), the kept keys
+   compacted, their values gathered (never a pass over all values), and the
+   certificate of kept + dropped candidates + keys below lo.
 
-Certified(search='exact') runs the threshold search over all logits and a
-masked softmax over the values; Certified(search='delta'|'mc') scores cache
-blocks in the order of their box bounds and stops by the THEORY 6.2 rule
-(``keys_scored`` reports the products needed).
+When a row has more candidates than the capacity (flat rows, ties, no
+bracket), the whole batch takes the exact full-row path (``lax.cond``; under
+vmap both branches run): full-row thresholds, and for Certified a dense
+(chunked) value product when more keys are kept than the gather capacity.
+Ties at a fixed-count threshold: the kept tied keys are chosen in strided
+column order (deterministic, not by position); the certificate counts the
+tied keys left out.
+
+Certified(search='delta'|'mc') scores cache blocks in the order of their
+box bounds and stops by the THEORY 6.2 rule (``keys_scored`` reports the
+products needed). Every strategy honours ``Certified.max_topk``.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from jaxtopk.attention import checks
 from jaxtopk.attention._cache import KVCache
-from jaxtopk.selection import _certify
-from jaxtopk.selection import _policies
-from jaxtopk.selection import _search
-from jaxtopk.selection import _select
-from jaxtopk.selection import _threshold
-from jaxtopk.selection._certificate import Certificate
-from jaxtopk.theory import _tail
+from jaxtopk.selection import Certificate
+from jaxtopk.selection import Certified
+from jaxtopk.selection import Dense
+from jaxtopk.selection import FixedCount
+from jaxtopk.selection import Policy
+from jaxtopk.selection import box_upper_bound_dot
+from jaxtopk.selection import capabilities
+from jaxtopk.selection import core
+from jaxtopk.selection import search_row_partial
+from jaxtopk.selection import threshold
 
-SUB_BLOCK = 16  # positions per sub-block in the fast Top-k path
+# What the XLA decode honours: every policy, strategy and field but the
+# low-rank key bound (certified_search has it).
+SUPPORTS = capabilities(
+  "policy=Dense",
+  "policy=FixedK",
+  "policy=Ratio",
+  "policy=PowerLaw",
+  "policy=Certified",
+  "search=exact",
+  "search=delta",
+  "search=mc",
+  "bound=box",
+  "max_topk",
+)
+_BACKEND = "decode_attention(implementation='xla')"
+
+FIXED_GROUP = 32  # strided column height for fixed-count brackets
+CERTIFIED_GROUP = 16  # column height for certified brackets (tighter bound)
+BRACKET_BINS = 256  # bins of the certified bracket's column-mass histogram
+# Static gather capacity of Certified(eps) (kept keys), as a fraction of the
+# cache: rows keeping more take the dense value product.
+CERTIFIED_CAPACITY = 1 / 32
+_HIGHEST = lax.Precision.HIGHEST
 
 DECODE_IMPLEMENTATIONS: dict[str | None, Callable] = {}
 
@@ -52,16 +94,598 @@ def register_decode_implementation(name: str, fn: Callable) -> None:
   DECODE_IMPLEMENTATIONS[name] = fn
 
 
-def _nonzero_rows(m, size):
-  """Indices of the first ``size`` True entries of every row of ``m``."""
-  lead = m.shape[:-1]
-  flat = m.reshape(-1, m.shape[-1])
-  idx = jax.vmap(lambda r: jnp.nonzero(r, size=size, fill_value=0)[0])(flat)
-  return idx.reshape(*lead, size).astype(jnp.int32)
+@dataclasses.dataclass(frozen=True)
+class _Step:
+  """The arrays every decode strategy reads (leading ``[b, hk, g]``).
+
+  Attributes:
+    q: ``[b, hk, g, d]`` queries in the compute dtype.
+    s: ``[b, hk, g, n]`` logits in the compute dtype.
+    valid: ``[b, 1, 1, n]`` bool filled positions.
+    delta: ``[b, hk, g]`` logit error bound (``core.logit_error_bound``).
+    vn: ``[b, hk, 1, n]`` value norms (``cache.value_norms``).
+    n_valid: ``[b, hk, g]`` int32 filled positions.
+    scale_ok: bool or ``[]``, a traced scale is finite and > 0.
+    cache: the KVCache.
+    scale: the logit scale (float or traced 0-d array).
+  """
+
+  q: jax.Array
+  s: jax.Array
+  valid: jax.Array
+  delta: jax.Array
+  vn: jax.Array
+  n_valid: jax.Array
+  scale_ok: jax.Array
+  cache: KVCache
+  scale: object
+
+  @property
+  def real(self) -> jax.Array:
+    return jnp.broadcast_to(self.valid, self.s.shape)
+
+
+def _step(query, cache, scale) -> _Step:
+  b, _, h, d = query.shape
+  hk = cache.keys.shape[1]
+  g = h // hk
+  dt = core.compute_dtype(jnp.result_type(query.dtype, cache.keys.dtype))
+  q_in = query.reshape(b, hk, g, d)  # [b, hk, g, d], input dtype
+  q = q_in.astype(dt)
+  k = cache.keys.astype(dt)  # [b, hk, n, d] head-major
+  s = jnp.einsum("bkgd,bknd->bkgn", q, k, precision=_HIGHEST) * scale
+  abs_dot = core.abs_dot_box(q, cache.kabs[:, :, None, :])[..., 0]  # [b,hk,g]
+  delta = core.logit_error_bound(
+    q_norm=core.norms_up(q_in),
+    k_norm=cache.knorm[..., None],
+    head_dim=d,
+    scale=scale,
+    abs_dot=abs_dot,
+    q_flushed=core.flushed(q_in),
+    k_flushed=cache.kflushed[..., None],
+  )
+  valid = cache.valid()[:, :, None]  # [b, 1, 1, n]
+  n_valid = jnp.broadcast_to(cache.length[:, None, None], s.shape[:-1])
+  return _Step(
+    q=q,
+    s=s,
+    valid=valid,
+    delta=delta,
+    vn=cache.value_norms[:, :, None].astype(dt),
+    n_valid=n_valid,
+    scale_ok=checks.scale_ok(scale),
+    cache=cache,
+    scale=scale,
+  )
+
+
+# ---------------------------------------------------------------- values
+
+
+def _gather_values(values, idx):
+  """``values[b, hk, idx]``: ``[b, hk, n, dv]`` x ``[b, hk, g, K]`` ->
+  ``[b, hk, g, K, dv]`` (the kept rows only)."""
+  return jax.vmap(jax.vmap(lambda v, i: v[i]))(values, idx)
+
+
+def _dense_values(p, values):
+  """sum_n p_n v_n: ``[b, hk, g, n]`` x ``[b, hk, n, dv]`` -> ``[b, hk, g,
+  dv]``.
+
+  In chunks of ~256 keys, the chunk axis a batch axis of the dot: XLA:CPU
+  runs this einsum (contracting the major axis of the values) ~2-3x faster
+  so than in one piece, and ~9x faster than with the group axis before the
+  chunk axis (measured, BUILD_NOTES).
+  """
+  b, hk, g, n = p.shape
+  dv = values.shape[-1]
+  c = 1
+  while n % (c * 2) == 0 and n // (c * 2) >= 256:
+    c *= 2
+  vc = values.reshape(b, hk, c, n // c, dv).astype(p.dtype)
+  if g == 1:
+    pc = p.reshape(b, hk, c, n // c)
+    out = jnp.einsum("bkcm,bkcmd->bkcd", pc, vc, precision=_HIGHEST)
+    return jnp.sum(out, axis=2)[:, :, None]  # [b, hk, 1, dv]
+  pc = jnp.swapaxes(p.reshape(b, hk, g, c, n // c), 2, 3)  # [b, hk, c, g, m]
+  out = jnp.einsum("bkcgm,bkcmd->bkcgd", pc, vc, precision=_HIGHEST)
+  return jnp.sum(out, axis=2)  # [b, hk, g, dv]
+
+
+def _kept_values_fn(keep, values, capacity):
+  """``p -> sum_i p_i v_i`` over the kept keys ``keep`` ``[b, hk, g, n]``.
+
+  A gather of the kept values when every row keeps <= ``capacity`` keys,
+  else the dense (chunked) product; a ``value_fn`` for ``Partial``.
+  """
+  n = keep.shape[-1]
+  if capacity >= n:
+    return lambda p: _dense_values(jnp.where(keep, p, 0.0), values)
+  idx, ok, count = threshold.mask_indices(keep, capacity)
+
+  def fn(p):
+    def gathered():
+      pk = jnp.where(ok, jnp.take_along_axis(p, idx, -1), 0.0)
+      vals = _gather_values(values, idx).astype(p.dtype)
+      return jnp.einsum("bkgt,bkgtd->bkgd", pk, vals, precision=_HIGHEST)
+
+    def dense():
+      return _dense_values(jnp.where(keep, p, 0.0), values)
+
+    return lax.cond(jnp.all(count <= capacity), gathered, dense)
+
+  return fn
+
+
+# ------------------------------------------------------------ certificates
+
+
+def _with_output(part, d_v):
+  """``part`` with a zero output (a Partial of dropped keys only)."""
+  o = jnp.zeros((*part.m.shape, d_v), part.m.dtype)
+  return dataclasses.replace(part, o=o)
+
+
+def _full_row(st: _Step, keep, capacity):
+  """The Partial of a row whose kept set ``keep`` ``[b, hk, g, n]`` is known."""
+  return core.Partial.from_logits(
+    st.s,
+    keep,
+    st.real,
+    logit_error=st.delta,
+    value_fn=_kept_values_fn(keep, st.cache.values, capacity),
+    value_norms=st.vn,
+    keys_scored=st.n_valid,
+  )
+
+
+def _below(st: _Step, below, group, row_ok):
+  """The Partial of the keys ``below`` (all dropped), with a zero output.
+
+  Strided columns of ``group`` keys (a vectorised pass); the value norm of
+  a dropped key is bounded by the cache's largest (``cache.vmax``), so no
+  pass over the norms; ``row_ok`` (from the row max) replaces the NaN check.
+  """
+  part = core.Partial.from_dropped(
+    st.s,
+    below,
+    logit_error=st.delta,
+    d_v=st.cache.values.shape[-1],
+    group=group,
+    logits_ok=row_ok,
+  )
+  zero = jnp.zeros(part.m.shape, part.m.dtype)
+  vmax = jnp.broadcast_to(st.cache.vmax[..., None], zero.shape)
+  return dataclasses.replace(part, head_norm=zero, tail_norm=vmax)
+
+
+def _finish(st: _Step, part, *, failure_prob=0.0):
+  part = dataclasses.replace(part, keys_scored=st.n_valid)
+  n = st.s.shape[-1]
+  return part.finalize(
+    n_terms=2 * n, failure_prob=failure_prob, scale_ok=st.scale_ok
+  )
+
+
+# ------------------------------------------------------------ candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidates:
+  """The keys >= a bracket lo of every row, compacted (capacity ``cap``).
+
+  Attributes:
+    idx: ``[b, hk, g, cap]`` int32 positions.
+    ok: ``[b, hk, g, cap]`` bool used slots.
+    s: ``[b, hk, g, cap]`` their logits (-inf in unused slots).
+    vn: ``[b, hk, g, cap]`` their value norms.
+    below: Partial of the keys < lo (dropped whatever the candidates keep).
+  """
+
+  idx: jax.Array
+  ok: jax.Array
+  s: jax.Array
+  vn: jax.Array
+  below: core.Partial
+
+
+def _row_ok(bmax):
+  """``[...]`` no real logit of the row is NaN or +inf (column maxima of
+  ``threshold.column_max`` propagate both)."""
+  return ~jnp.any(jnp.isnan(bmax) | (bmax == jnp.inf), axis=-1)
+
+
+def _candidates(st: _Step, lo, compact, group, row_ok) -> _Candidates:
+  """The candidates >= lo from ``compact = (idx, ok, count)``."""
+  idx, ok, _ = compact
+  cs = jnp.where(ok, jnp.take_along_axis(st.s, idx, -1), -jnp.inf)
+  vn = jnp.broadcast_to(st.vn, st.s.shape)
+  cvn = jnp.where(ok, jnp.take_along_axis(vn, idx, -1), 0.0)
+  below = st.real & ~(st.s >= lo[..., None])
+  return _Candidates(idx, ok, cs, cvn, _below(st, below, group, row_ok))
+
+
+def _compact_ge(st: _Step, lo, cap, group):
+  """``mask_indices`` of the real keys >= lo: ``(idx, ok, count)``."""
+  ge = st.real & (st.s >= lo[..., None])
+  return threshold.mask_indices(ge, cap, group=group)
+
+
+def _finish_candidates(st: _Step, c: _Candidates, kept, capacity):
+  """Certificate and output of ``kept`` ``[b, hk, g, cap]`` candidates."""
+  kidx, kok, _ = threshold.mask_indices(kept, capacity, strided=False)
+  pos = jnp.take_along_axis(c.idx, kidx, -1)  # [b, hk, g, K] positions
+  vals = _gather_values(st.cache.values, pos)  # [b, hk, g, K, dv]
+
+  def value_fn(p):  # p: [b, hk, g, cap] normalised kept weights
+    pk = jnp.where(kok, jnp.take_along_axis(p, kidx, -1), 0.0)
+    return jnp.einsum(
+      "bkgt,bkgtd->bkgd", pk, vals.astype(p.dtype), precision=_HIGHEST
+    )
+
+  head = core.Partial.from_logits(
+    c.s,
+    kept,
+    c.ok,
+    logit_error=st.delta,
+    value_fn=value_fn,
+    value_norms=c.vn,
+    keys_scored=0,
+  )
+  return _finish(st, core.merge(head, c.below))
+
+
+def _tie_break(s, ok, thresh, n_above, need_total):
+  """Keeps ``s > thresh`` and the first ``need_total - n_above`` ties."""
+  t = thresh[..., None]
+  above = ok & (s > t)
+  tie = ok & (s == t)
+  need = need_total - n_above
+  n_tie = jnp.sum(tie, axis=-1, dtype=jnp.int32)
+  keep_ties = lax.cond(
+    jnp.any(n_tie > need),
+    lambda: (
+      tie & (jnp.cumsum(tie, axis=-1, dtype=jnp.int32) <= need[..., None])
+    ),
+    lambda: tie,
+  )
+  return (above | keep_ties) & (need_total > 0)[..., None]
+
+
+# ---------------------------------------------------------- fixed count
+
+
+def _largest_group(n, most):
+  """Largest power of two <= ``most`` dividing ``n``."""
+  g = 1
+  while g * 2 <= most and n % (g * 2) == 0:
+    g *= 2
+  return g
+
+
+def _group_for(n, kept):
+  """Largest power of two <= FIXED_GROUP with n / g >= 2 kept (1 if none)."""
+  g = 1
+  while g * 2 <= FIXED_GROUP and n % (g * 2) == 0 and n // (g * 2) >= 2 * kept:
+    g *= 2
+  return g
+
+
+def _topk_of(st: _Step, topk, capacity):
+  """Exact Top-k of every row: ``(o, Certificate)``."""
+  n = st.s.shape[-1]
+
+  def full():
+    t, n_above = threshold.topk_threshold(st.s, topk, st.real)
+    keep = _tie_break(st.s, st.real, t, n_above, topk)
+    return _full_row(st, keep, capacity).finalize(
+      n_terms=2 * n, scale_ok=st.scale_ok
+    )
+
+  group = _group_for(n, capacity)
+  if group < 4:
+    return full()
+  cap = min(n, 2 * capacity + 16)
+  bmax = threshold.column_max(st.s, st.real, group=group)  # [b, hk, g, n/g]
+  lo, _ = threshold.topk_threshold(bmax, topk, bmax > -jnp.inf)
+  compact = _compact_ge(st, lo, cap, group)
+
+  # Unconditional candidate path, one cond at the end (see _certified_exact).
+  c = _candidates(st, lo, compact, group, _row_ok(bmax))
+  t, n_above = threshold.topk_threshold(c.s, topk, c.ok)
+  kept = _tie_break(c.s, c.ok, t, n_above, topk)
+  out, cert = _finish_candidates(st, c, kept, capacity)
+  count = compact[2]
+  # The bracket holds when >= topk keys are >= lo (then the topk-th largest
+  # key is >= lo); it may not when a row's largest keys share few columns.
+  fits = jnp.all(count <= cap) & jnp.all(count >= jnp.minimum(topk, st.n_valid))
+  return lax.cond(fits, lambda: (out, cert), full)
+
+
+def _fixed_count(policy: FixedCount, st: _Step):
+  n = st.s.shape[-1]
+  if isinstance(policy, Dense):
+    return _finish(st, _full_row(st, st.real, n))
+  topk = policy.row_num_kept(st.n_valid, n)  # [b, hk, g]
+  return _topk_of(st, topk, policy.num_kept(n))
+
+
+# -------------------------------------------------------------- certified
+
+
+def _second_max(s, real, bmax, group):
+  """Per strided column, the largest real logit below the column max
+  (-inf if none): with the max, the column's two largest distinct keys."""
+  n = s.shape[-1]
+  x = jnp.where(real, s, -jnp.inf).reshape(*s.shape[:-1], group, n // group)
+  return jnp.max(jnp.where(x < bmax[..., None, :], x, -jnp.inf), axis=-2)
+
+
+def _budget_bracket(tops, m, z, log_frac, n_total):
+  """Largest lo (a bin edge below the max) whose tail is surely in budget.
+
+  tail(lo) <= Z - sum_{t in tops, t > lo} e^t, where ``tops`` ``[..., c]``
+  are distinct keys of the row (each column's largest and second largest);
+  computed from a histogram of their mass over gap bins, with Z rounded up
+  by ``core.log_slack``. -inf where no edge qualifies (flat rows); +inf for
+  a row without a finite max (invalid: no candidate needed).
+  """
+  dt = tops.dtype
+  mm = jnp.where(jnp.isfinite(m), m, 0.0)
+  span = jnp.log(jnp.asarray(max(n_total, 2), dt)) - log_frac + 2.0
+  width = span / BRACKET_BINS  # [...]
+  gap = mm[..., None] - tops  # inf for an empty column
+  present = tops > -jnp.inf
+  mass = jnp.where(present, jnp.exp(-gap), 0.0)
+  bins = jnp.clip(jnp.floor(gap / width[..., None]), 0, BRACKET_BINS - 1)
+  bins = jnp.where(present, bins.astype(jnp.int32), BRACKET_BINS - 1)
+  hist = threshold.row_histogram(mass, bins, BRACKET_BINS)
+  inside = jnp.cumsum(hist, axis=-1)  # mass of tops with gap < (j+1) w
+  # Rounded so that z_up >= Z and inside_dn <= the tops' exact mass.
+  z_up = z * jnp.exp(2 * core.log_slack(n_total, dt))
+  inside_dn = inside * jnp.exp(-2 * core.log_slack(tops.shape[-1], dt))
+  allowed = jnp.exp(log_frac) * z
+  ok = (z_up[..., None] - inside_dn) <= allowed[..., None]
+  j = jnp.argmax(ok, axis=-1)  # first qualifying edge
+  lo = mm - (j + 1).astype(dt) * width
+  lo = jnp.where(jnp.any(ok, axis=-1), lo, -jnp.inf)
+  return jnp.where(jnp.isfinite(m), lo, jnp.inf)
+
+
+def _certified_exact(policy: Certified, st: _Step):
+  n = st.s.shape[-1]
+  dt = st.s.dtype
+  real = st.real
+  margin = core.search_log_margin(2 * n, st.delta, dt)
+  log_frac = jnp.log(jnp.asarray(policy.eps, dt)) - margin  # [b, hk, g]
+  m_top = policy.max_topk
+  if m_top is not None and m_top < n:
+    capacity = m_top
+  else:
+    m_top = None
+    capacity = max(1, min(n, int(n * CERTIFIED_CAPACITY)))
+
+  def capped(s, ok, keep, count):
+    """Top ``m_top`` of ``s`` where the budget set is larger."""
+    if m_top is None:
+      return keep
+    t, n_above = threshold.topk_threshold(s, m_top, ok)
+    top = _tie_break(s, ok, t, n_above, jnp.full(count.shape, m_top))
+    return jnp.where((count > m_top)[..., None], top, keep)
+
+  def full():
+    t = threshold.budget_threshold(st.s, log_frac, real, relative=True)
+    keep = real & (st.s >= t[..., None])
+    keep = capped(st.s, real, keep, jnp.sum(keep, -1, dtype=jnp.int32))
+    return _full_row(st, keep, capacity).finalize(
+      n_terms=2 * n, scale_ok=st.scale_ok
+    )
+
+  group = _largest_group(n, CERTIFIED_GROUP)
+  if group < 4:
+    return full()
+  cap = min(n, 2 * capacity + 16)
+  bmax = threshold.column_max(st.s, real, group=group)  # [b, hk, g, n/g]
+  m = jnp.max(bmax, axis=-1)
+  mm = jnp.where(jnp.isfinite(m), m, 0.0)
+  z = jnp.sum(jnp.where(real, jnp.exp(st.s - mm[..., None]), 0.0), -1)
+  tops = jnp.concatenate([bmax, _second_max(st.s, real, bmax, group)], -1)
+  lo = _budget_bracket(tops, m, z, log_frac, n)
+
+  # The candidate path runs unconditionally (its result is discarded where
+  # it does not hold): computed inside a lax.cond branch it cost ~0.6x the
+  # floor more at n = 131,072 (XLA:CPU fuses nothing across a branch);
+  # one cond at the end picks the full-row path when needed.
+  compact = _compact_ge(st, lo, cap, group)
+  c = _candidates(st, lo, compact, group, _row_ok(bmax))
+  below = c.below.tail_m + jnp.log(c.below.tail_sum)  # log mass < lo
+  t = threshold.budget_threshold(
+    c.s, log_frac, c.ok, relative=True, log_extra=below
+  )
+  keep = c.ok & (c.s >= t[..., None])
+  keep = capped(c.s, c.ok, keep, jnp.sum(keep, -1, dtype=jnp.int32))
+  n_keep = jnp.sum(keep, -1, dtype=jnp.int32)
+  out, cert = _finish_candidates(st, c, keep, capacity)
+  holds = (
+    jnp.all(lo > -jnp.inf)
+    & jnp.all(compact[2] <= cap)
+    & jnp.all(n_keep <= capacity)
+  )
+  # Safety net: a row that the bracket certified but whose finished bound
+  # exceeds eps (float rounding beyond the margins) is redone in full.
+  over = cert.valid & (cert.tv_bound > policy.eps) & (st.delta < jnp.inf)
+  if m_top is not None:
+    over = over & (cert.k_kept < m_top)
+  return lax.cond(holds & ~jnp.any(over), lambda: (out, cert), full)
+
+
+# ----------------------------------------------------------- delta / mc
+
+
+def _certified_search(policy: Certified, st: _Step, rng):
+  cache = st.cache
+  b, hk, g, n = st.s.shape
+  bs = cache.block_size
+  if policy.block_size != bs:
+    raise ValueError(
+      f"Certified.block_size={policy.block_size} must equal the cache's"
+      f" block_size={bs} for search={policy.search.name!r}"
+    )
+  box = cache.box()  # [b, hk, nb, d]: einsums broadcast over the groups
+  u = box_upper_bound_dot(st.q, box, scale=st.scale)  # [b, hk, g, nb]
+  # Box bounds use the keys as read (subnormals as 0): widen by delta.
+  u = u + st.delta[..., None]
+  cnt = jnp.broadcast_to(box.count[:, :, None], u.shape)
+  valid = cache.valid()[:, 0]  # [b, n]
+  rngs = jax.random.split(rng, (b, hk, g))
+  fn = functools.partial(
+    search_row_partial,
+    search=policy.search,
+    eps=policy.eps,
+    scale=st.scale,
+    max_topk=policy.max_topk,
+  )
+  # q [b,hk,g,d], keys [b,hk,n,d], valid [b,n], u/cnt [b,hk,g,nb],
+  # delta [b,hk,g], rng [b,hk,g], norms [b,hk,n].
+  over_g = jax.vmap(
+    lambda q, k, v, u_, c_, e, r, vn: fn(q, k, v, u_, c_, e, r, value_norms=vn),
+    in_axes=(0, None, None, 0, 0, 0, 0, None),
+  )
+  over_hk = jax.vmap(over_g, in_axes=(0, 0, None, 0, 0, 0, 0, 0))
+  over_b = jax.vmap(over_hk, in_axes=(0, 0, 0, 0, 0, 0, 0, 0))
+  s, keep, scored, part = over_b(
+    st.q, cache.keys, valid, u, cnt, st.delta, rngs, cache.value_norms
+  )
+  capacity = min(n, policy.max_topk or max(1, int(n * CERTIFIED_CAPACITY)))
+  m = jnp.max(jnp.where(keep, s, -jnp.inf), -1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(keep, jnp.exp(s - m), 0.0)
+  p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), jnp.finfo(p.dtype).tiny)
+  o = _kept_values_fn(keep, cache.values, capacity)(p)
+  part = dataclasses.replace(part, o=o)
+  return part.finalize(
+    n_terms=n + n // bs,
+    failure_prob=policy.failure_prob,
+    scale_ok=st.scale_ok,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "static_scale"))
+def _xla_decode(query, cache, rng, scale, *, policy, static_scale):
+  b, _, h, _ = query.shape
+  st = _step(query, cache, scale if static_scale is None else static_scale)
+  if isinstance(policy, Certified):
+    if policy.search.scores_all:
+      out, cert = _certified_exact(policy, st)
+    else:
+      out, cert = _certified_search(policy, st, rng)
+  else:
+    out, cert = _fixed_count(policy, st)
+  out = out.reshape(b, 1, h, -1).astype(query.dtype)  # [b, 1, h, dv]
+  cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
+  return out, cert
+
+
+def xla_decode_attention(query, cache, rng, *, policy, scale):
+  """The XLA implementation of ``decode_attention`` (see there)."""
+  checks.check_policy(policy, _BACKEND, SUPPORTS)
+  if isinstance(scale, float):  # static: exact in any compute dtype
+    return _xla_decode(
+      query, cache, rng, None, policy=policy, static_scale=scale
+    )
+  return _xla_decode(query, cache, rng, scale, policy=policy, static_scale=None)
+
+
+DECODE_IMPLEMENTATIONS[None] = xla_decode_attention
+DECODE_IMPLEMENTATIONS["xla"] = xla_decode_attention
+
+
+def decode_attention(
+  query,
+  cache: KVCache,
+  *,
+  policy: Policy,
+  scale=None,
+  implementation: str | None = None,
+  key=None,
+) -> tuple[jax.Array, Certificate]:
+  """Top-k attention of one new query per sequence over a KVCache.
+
+  THEORY 8.1 and 6.5. Attends to the cache's filled positions (append the
+  current step with ``kv_cache_update`` first). Fixed-count policies keep
+  the ``topk`` largest logits (Ratio and PowerLaw count the filled
+  positions) and gather only the kept values; Certified 'exact' keeps the
+  fewest keys meeting eps (up to one finest histogram bin, see
+  ``selection.threshold``); 'delta' and 'mc' skip blocks using the cache's
+  box summaries (THEORY 6.2/6.3; ``policy.block_size`` must equal the
+  cache's). ``Certified.max_topk`` caps the kept set on every strategy (the
+  row then reports its true, larger bound). See the module docstring for
+  how the XLA path stays close to the cost of the logits.
+
+  Args:
+    query: ``[batch, 1, num_heads, head_dim]``; num_heads a multiple of the
+      cache's kv heads.
+    cache: a KVCache (or an IndexedKVCache, which searches its groups).
+    policy: a selection policy.
+    scale: logit scale, default 1/sqrt(head_dim); a number > 0, or a JAX
+      scalar (traced OK; rows are invalid where it is not finite and > 0).
+    implementation: None or 'xla', or a registered backend.
+    key: PRNG key for Certified(search='mc').
+
+  Returns:
+    ``(output, certificate)``: ``[batch, 1, num_heads, head_dim_v]`` in the
+    query's dtype (zeros for an empty cache row) and a Certificate with
+    arrays ``[batch, 1, num_heads]`` (valid = False for an empty row).
+
+  Raises:
+    TypeError: a non-policy, or a query that is not real floating.
+    ValueError: on bad shapes, heads, scale or block size, or 'mc' without
+      a key.
+    UnsupportedPolicyError: a policy field the implementation cannot honour
+      (named).
+    NotImplementedError: for an unregistered 'pallas' implementation.
+  """
+  query = checks.check_array(query, "query")
+  if hasattr(cache, "decode_attention"):  # e.g. an IndexedKVCache (_index.py)
+    return cache.decode_attention(
+      query, policy=policy, scale=scale, implementation=implementation, key=key
+    )
+  if not isinstance(policy, Policy):
+    raise TypeError(f"{policy=} must be a jaxtopk selection policy")
+  b, hk, _, d = cache.keys.shape
+  if query.ndim != 4 or query.shape[:2] != (b, 1) or query.shape[3] != d:
+    raise ValueError(
+      f"query must be [batch={b}, 1, num_heads, head_dim={d}]; got"
+      f" {query.shape=}"
+    )
+  if query.shape[2] == 0 or query.shape[2] % hk:
+    raise ValueError(
+      f"num_heads={query.shape[2]} must be a positive multiple of"
+      f" num_kv_heads={hk}"
+    )
+  scale = checks.check_scale(scale, d)
+  if implementation not in DECODE_IMPLEMENTATIONS:
+    if implementation == "pallas":
+      raise NotImplementedError(
+        "implementation='pallas' is not registered yet; use None or 'xla'"
+      )
+    raise ValueError(
+      f"{implementation=} must be one of"
+      f" {sorted(map(str, DECODE_IMPLEMENTATIONS))}"
+    )
+  rng = checks.check_rng(policy, key)
+  return DECODE_IMPLEMENTATIONS[implementation](
+    query, cache, rng, policy=policy, scale=scale
+  )
 
 
 def topk_indices(s, topk, valid, max_topk):
   """Indices of a Top-k set of each row without sorting the row.
+
+  The fixed-count selection of ``decode_attention`` on its own: a bracket
+  from strided column maxima, the candidates above it compacted, the exact
+  threshold among them (``selection.threshold``); the full row when the
+  candidates do not fit.
 
   Args:
     s: ``[..., n]`` float32/64 logits.
@@ -74,278 +698,36 @@ def topk_indices(s, topk, valid, max_topk):
     past ``topk`` are padding), ``[..., max_topk]`` bool True for the
     ``topk`` real entries, and ``[...]`` the topk-th largest logit (the
     smallest kept). Ties at the threshold: some tied keys are kept, which
-    ones is unspecified (sub-block order).
+    ones is unspecified (strided column order).
   """
+  s = jnp.asarray(s)
+  valid = jnp.broadcast_to(valid, s.shape)
+  topk = jnp.broadcast_to(jnp.asarray(topk, jnp.int32), s.shape[:-1])
   n = s.shape[-1]
-  c = SUB_BLOCK
-  lead = s.shape[:-1]
-  if n % c or max_topk * c * 2 > n:
-    # Short rows or large kept sets: one radix select over the row.
-    keep = _threshold.topk_mask(s, topk, valid)
-    idx = _nonzero_rows(keep, max_topk)
-  else:
-    nb = n // c
-    big = jnp.finfo(s.dtype).max
-    sb = jnp.where(valid, s, -big).reshape(*lead, nb, c)  # [..., nb, c]
-    vbk = valid.reshape(*lead, nb, c)
-    bmax = jnp.max(sb, -1)  # [..., nb]
-    bvalid = jnp.any(vbk, -1)
-    bkeep = _threshold.topk_mask(bmax, topk, bvalid)  # topk sub-blocks
-    bidx = _nonzero_rows(bkeep, max_topk)  # [..., K]
-    cand = jnp.take_along_axis(sb, bidx[..., None], axis=-2)  # [..., K, c]
-    cvalid = jnp.take_along_axis(vbk, bidx[..., None], axis=-2)
-    n_blk = jnp.sum(bkeep, -1, dtype=jnp.int32)  # < topk on short rows
-    real = jnp.arange(max_topk) < n_blk[..., None]  # [..., K]
-    cvalid = (cvalid & real[..., None]).reshape(*lead, max_topk * c)
-    cand = cand.reshape(*lead, max_topk * c)
-    ckeep = _threshold.topk_mask(cand, topk, cvalid)
-    pos = _nonzero_rows(ckeep, max_topk)  # [..., K] in candidates
-    blk = jnp.take_along_axis(bidx, pos // c, axis=-1)
-    idx = blk * c + pos % c
-  kept = jnp.arange(max_topk) < topk[..., None]
-  ks = jnp.take_along_axis(s, idx, axis=-1)
-  thresh = jnp.min(jnp.where(kept, ks, jnp.inf), -1)
-  return idx, kept, thresh
+  group = _group_for(n, max_topk)
 
+  def full():
+    t, n_above = threshold.topk_threshold(s, topk, valid)
+    keep = _tie_break(s, valid, t, n_above, topk)
+    idx, ok, _ = threshold.mask_indices(keep, max_topk)
+    return idx, ok, t
 
-def _logits(query, cache, scale):
-  b, _, h, d = query.shape
-  hk = cache.keys.shape[1]
-  g = h // hk
-  dt = _tail.compute_dtype(jnp.result_type(query.dtype, cache.keys.dtype))
-  q = query.astype(dt).reshape(b, hk, g, d)  # [b, hk, g, d]
-  k = cache.keys.astype(dt)
-  s = jnp.einsum("bkgd,bknd->bkgn", q, k) * scale  # [b, hk, g, n]
-  return q, s
+  if group < 4:
+    return full()
+  cap = min(n, 2 * max_topk + 16)
+  bmax = threshold.column_max(s, valid, group=group)
+  lo, _ = threshold.topk_threshold(bmax, topk, bmax > -jnp.inf)
+  ge = valid & (s >= lo[..., None])
 
+  def fast():
+    idx, ok, _ = threshold.mask_indices(ge, cap, group=group)
+    cs = jnp.where(ok, jnp.take_along_axis(s, idx, -1), -jnp.inf)
+    t, n_above = threshold.topk_threshold(cs, topk, ok)
+    kept = _tie_break(cs, ok, t, n_above, topk)
+    kidx, kok, _ = threshold.mask_indices(kept, max_topk, strided=False)
+    return jnp.take_along_axis(idx, kidx, -1), kok, t
 
-def _abs_dot(q, cache, scale):
-  """``[b, hk, g]`` bound on scale sum_c |q_c k_c| from the cached boxes."""
-  return _search.box_abs_dot(q, cache.box(), scale)  # q: [b, hk, g, d]
-
-
-def _fixed_count(policy, query, cache, scale):
-  d = query.shape[3]
-  n = cache.max_len
-  q, s = _logits(query, cache, scale)
-  dt = s.dtype
-  valid = jnp.broadcast_to(cache.valid()[:, :, None], s.shape)
-  n_valid = jnp.broadcast_to(cache.length[:, None, None], s.shape[:-1])
-  topk = _select.count_kept(policy, n_valid, n)
-  max_topk = n if isinstance(policy, _policies.Dense) else policy.num_kept(n)
-  idx, kept, thresh = topk_indices(s, topk, valid, max_topk)
-  ks = jnp.take_along_axis(s, idx, -1)  # [b, hk, g, K]
-  vals = jax.vmap(jax.vmap(lambda v, i: v[i]))(cache.values, idx)
-  # vals: [b, hk, g, K, dv] (gather of the kept rows only)
-  m = jnp.max(jnp.where(kept, ks, -jnp.inf), -1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(kept, jnp.exp(ks - m), 0.0)
-  denom = jnp.sum(p, -1, keepdims=True)
-  out = jnp.einsum("bkgt,bkgtd->bkgd", p, vals.astype(dt))
-  out = out / jnp.where(denom > 0, denom, 1.0)
-  # Tail mass of the kept set in one fused pass over the logits: every real
-  # key below the threshold, plus the tied keys that were not kept. The row
-  # max is the largest kept logit, and Z = Z_kept + Z_tail (no subtraction).
-  mx = jnp.where(jnp.isfinite(m), m, 0.0)[..., 0]  # [b, hk, g]
-  t = thresh[..., None]
-  below = valid & (s < t)
-  z_below = jnp.sum(jnp.where(below, jnp.exp(s - mx[..., None]), 0.0), -1)
-  n_tie = jnp.sum(valid & (s == t), -1) - jnp.sum(kept & (ks == t), -1)
-  z_tail = z_below + n_tie.astype(dt) * jnp.exp(thresh - mx)
-  z_all = z_tail + denom[..., 0]
-  abs_dot = _abs_dot(q, cache, scale)
-  slack = 2 * _certify.logit_rounding(abs_dot, d + 1, dt)
-  slack = slack + 8 * jnp.finfo(dt).eps * abs_dot
-  log_tv = jnp.log(z_tail) - jnp.log(z_all) + _tail.log_slack(n, dt) + slack
-  ok = (n_valid > 0) & jnp.all(jnp.where(valid, jnp.isfinite(s), True), -1)
-  vn = _certify.value_norms(vals)  # [b, hk, g, K]
-  tail_norm = jnp.max(cache.vnorm, -1)[:, :, None]  # [b, hk, 1]
-  cert = _certify.finish_certificate(
-    jnp.minimum(log_tv, 0.0),
-    ok,
-    k_kept=jnp.sum(kept, -1),
-    keys_scored=n_valid,
-    head_max_norm=_certify.max_norm(vn, kept),
-    tail_max_norm=jnp.broadcast_to(tail_norm, ok.shape),
-  )
-  return out, cert
-
-
-def _certified_exact(policy, query, cache, scale):
-  b, _, h, d = query.shape
-  q, s = _logits(query, cache, scale)
-  dt = s.dtype
-  valid = jnp.broadcast_to(cache.valid()[:, :, None], s.shape)
-  abs_dot = _abs_dot(q, cache, scale)
-  slack = 2 * _certify.logit_rounding(abs_dot, d + 1, dt)
-  vn = _certify.value_norms(cache.values)[:, :, None]  # [b, hk, 1, n]
-  sel = _select.select_with_slack(
-    s, policy, valid=valid, norms=vn, log_extra_slack=slack
-  )
-  return _masked_output(s, sel.keep, cache, dt), sel.certificate
-
-
-def _masked_output(s, keep, cache, dt):
-  m = jnp.max(jnp.where(keep, s, -jnp.inf), -1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(keep, jnp.exp(s - m), 0.0)  # [b, hk, g, n]
-  denom = jnp.sum(p, -1, keepdims=True)
-  out = jnp.einsum("bkgn,bknd->bkgd", p, cache.values.astype(dt))
-  return out / jnp.where(denom > 0, denom, 1.0)
-
-
-def _certified_search(policy, query, cache, scale, rng):
-  b, _, h, d = query.shape
-  hk = cache.keys.shape[1]
-  g = h // hk
-  bs = cache.block_size
-  policy.require(
-    "decode_attention (search='delta'|'mc'; use certified_search for"
-    " bound='lowrank')",
-    _policies.capabilities(
-      "policy=Certified", "search=delta", "search=mc", "bound=box"
-    ),
-  )
-  if policy.block_size != bs:
-    raise ValueError(
-      f"Certified.block_size={policy.block_size} must equal the cache's"
-      f" block_size={bs} for search={policy.search!r}"
-    )
-  dt = _tail.compute_dtype(jnp.result_type(query.dtype, cache.keys.dtype))
-  q = query.astype(dt).reshape(b, hk, g, d)
-  box = cache.box()  # [b, hk, nb, d]: einsums broadcast over the groups
-  u = _search.box_upper_bound_dot(q, box, scale=scale)  # [b, hk, g, nb]
-  cnt = jnp.broadcast_to(box.count[:, :, None], u.shape)
-  abs_dot = _search.box_abs_dot(q, box, scale)  # [b, hk, g]
-  valid = cache.valid()[:, 0]  # [b, n]
-  rngs = jax.random.split(rng, (b, hk, g))
-  fn = functools.partial(
-    _search.search_row,
-    search=policy.search.name,
-    eps=policy.eps,
-    block_size=bs,
-    scale=scale,
-    num_samples=policy.num_samples,
-    delta=policy.delta,
-  )
-  over_g = jax.vmap(fn, in_axes=(0, None, None, 0, 0, 0, 0))
-  over_hk = jax.vmap(over_g, in_axes=(0, 0, None, 0, 0, 0, 0))
-  over_b = jax.vmap(over_hk, in_axes=(0, 0, 0, 0, 0, 0, 0))
-  s, keep, scored, log_tv, n_sc = over_b(
-    q, cache.keys, valid, u, cnt, abs_dot, rngs
-  )
-  finite = jnp.all(jnp.where(scored, jnp.isfinite(s), True), -1)
-  ok = (cache.length[:, None, None] > 0) & finite
-  keep = keep & ok[..., None]
-  vn = _certify.value_norms(cache.values)[:, :, None]  # [b, hk, 1, n]
-  vfull = jnp.broadcast_to(valid[:, None, None], keep.shape)
-  cert = _certify.finish_certificate(
-    log_tv,
-    ok,
-    k_kept=jnp.sum(keep, -1),
-    keys_scored=n_sc,
-    head_max_norm=_certify.max_norm(vn, keep),
-    tail_max_norm=_certify.max_norm(vn, vfull & ~keep),
-    failure_prob=policy.failure_prob,
-  )
-  return _masked_output(s, keep, cache, dt), cert
-
-
-@functools.partial(jax.jit, static_argnames=("policy", "scale"))
-def xla_decode_attention(query, cache, rng, *, policy, scale):
-  """The XLA implementation of ``decode_attention`` (see there)."""
-  b, _, h, _ = query.shape
-  if isinstance(policy, _policies.Certified):
-    if policy.search.scores_all:
-      out, cert = _certified_exact(policy, query, cache, scale)
-    else:
-      out, cert = _certified_search(policy, query, cache, scale, rng)
-  else:
-    out, cert = _fixed_count(policy, query, cache, scale)
-  out = out.reshape(b, 1, h, -1).astype(query.dtype)  # [b, 1, h, dv]
-  cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
-  return out, cert
-
-
-DECODE_IMPLEMENTATIONS[None] = xla_decode_attention
-DECODE_IMPLEMENTATIONS["xla"] = xla_decode_attention
-
-
-def decode_attention(
-  query,
-  cache: KVCache,
-  *,
-  policy: _policies.Policy,
-  scale: float | None = None,
-  implementation: str | None = None,
-  key=None,
-) -> tuple[jax.Array, Certificate]:
-  """Top-k attention of one new query per sequence over a KVCache.
-
-  THEORY 8.1 and 6.5. Attends to the cache's filled positions (append the
-  current step with ``kv_cache_update`` first). Fixed-count policies keep
-  the ``topk`` largest logits (Ratio and PowerLaw count the filled
-  positions) without sorting and gather only the kept values; Certified
-  'exact' keeps the fewest keys meeting eps; 'delta' and 'mc' skip blocks
-  using the cache's box summaries (THEORY 6.2/6.3; ``policy.block_size``
-  must equal the cache's).
-
-  Args:
-    query: ``[batch, 1, num_heads, head_dim]``; num_heads a multiple of the
-      cache's kv heads.
-    cache: a KVCache.
-    policy: a selection policy.
-    scale: logit scale, default 1/sqrt(head_dim); > 0.
-    implementation: None or 'xla', or a registered backend.
-    key: PRNG key for Certified(search='mc').
-
-  Returns:
-    ``(output, certificate)``: ``[batch, 1, num_heads, head_dim_v]`` in the
-    query's dtype (zeros for an empty cache row) and a Certificate with
-    arrays ``[batch, 1, num_heads]`` (valid = False for an empty row).
-
-  Raises:
-    ValueError: on bad shapes, heads, scale or block size.
-    NotImplementedError: for an unregistered 'pallas' implementation.
-  """
-  query = jnp.asarray(query)
-  if hasattr(cache, "decode_attention"):  # e.g. an IndexedKVCache (_index.py)
-    return cache.decode_attention(
-      query, policy=policy, scale=scale, implementation=implementation, key=key
-    )
-  if not isinstance(policy, _policies.Policy):
-    raise TypeError(f"{policy=} must be a jaxtopk selection policy")
-  b, hk, _, d = cache.keys.shape
-  if query.ndim != 4 or query.shape[:2] != (b, 1) or query.shape[3] != d:
-    raise ValueError(
-      f"query must be [batch={b}, 1, num_heads, head_dim={d}]; got"
-      f" {query.shape=}"
-    )
-  if query.shape[2] % hk:
-    raise ValueError(
-      f"num_heads={query.shape[2]} must be a multiple of num_kv_heads={hk}"
-    )
-  scale = 1.0 / d**0.5 if scale is None else float(scale)
-  if not scale > 0:
-    raise ValueError(f"{scale=} must be > 0")
-  if implementation not in DECODE_IMPLEMENTATIONS:
-    if implementation == "pallas":
-      raise NotImplementedError(
-        "implementation='pallas' is not registered yet; use None or 'xla'"
-      )
-    raise ValueError(
-      f"{implementation=} must be one of"
-      f" {sorted(map(str, DECODE_IMPLEMENTATIONS))}"
-    )
-  if (
-    isinstance(policy, _policies.Certified)
-    and policy.search.needs_rng
-    and key is None
-  ):
-    raise ValueError(
-      f"Certified.search={policy.search!r} needs a PRNG key: pass key="
-    )
-  rng = jax.random.key(0) if key is None else key
-  return DECODE_IMPLEMENTATIONS[implementation](
-    query, cache, rng, policy=policy, scale=scale
-  )
+  count = jnp.sum(ge, axis=-1, dtype=jnp.int32)
+  n_valid = jnp.sum(valid, axis=-1, dtype=jnp.int32)
+  fits = jnp.all(count <= cap) & jnp.all(count >= jnp.minimum(topk, n_valid))
+  return lax.cond(fits, fast, full)

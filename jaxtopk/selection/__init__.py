@@ -5,11 +5,14 @@ API that the attention, kernel, parallel and nn layers build on. So are
 ``select_rows`` (select on validated logits with a logit error bound),
 ``search_row_partial`` (one row of Delta- / MC-Search, returning a
 ``core.Partial``), ``mc_log_mass_row`` (MC-Search's per-block mass bound),
-``box_abs_dot`` and ``box_upper_bound_dot`` (block-box bounds written as dot
-products).
+``box_abs_dot`` and ``box_upper_bound_dot`` (block-box
+bounds written as dot products), and ``jaxtopk.selection.threshold``
+(few-pass Top-k and budget thresholds, sharded or not, and the compaction of
+kept keys: the one selection mechanism every path uses).
 """
 
 from jaxtopk.selection import core
+from jaxtopk.selection import threshold
 from jaxtopk.selection._certificate import Certificate
 from jaxtopk.selection._certified import certified_search
 from jaxtopk.selection._lowrank import key_projection
@@ -38,5 +41,5 @@ from jaxtopk.selection._search import search_row_partial
 from jaxtopk.selection._select import Selection
 from jaxtopk.selection._select import select
 from jaxtopk.selection._select import select_rows
-from jaxtopk.selection._threshold import budget_mask
-from jaxtopk.selection._threshold import topk_mask
+from jaxtopk.selection.threshold import budget_mask
+from jaxtopk.selection.threshold import topk_mask

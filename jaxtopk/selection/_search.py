@@ -9,8 +9,8 @@ every scored key kept certifies tau <= eps:
     U_unscored / (Z_scored + U_unscored) <= eps.
 
 Then, among the scored keys, the smallest kept set that still meets eps is
-found by the radix threshold search with U_unscored as fixed extra tail
-(``budget_mask``), capped at ``Certified.max_topk`` when given. The
+found by the few-pass threshold search with U_unscored as fixed extra tail
+(``threshold.budget_mask``), capped at ``Certified.max_topk`` when given. The
 certificate is THEORY 3.3's blockwise bound of that kept set, built by the
 certificate core: a ``core.Partial`` of the scored keys with the unscored
 blocks' bounds in its tail, rounded up for the float rounding of the scored
@@ -36,8 +36,8 @@ from jax import lax
 from jax.scipy.special import logsumexp
 
 from jaxtopk.selection import _strategies
-from jaxtopk.selection import _threshold
 from jaxtopk.selection import core
+from jaxtopk.selection import threshold
 from jaxtopk.theory import _blockwise
 
 
@@ -93,11 +93,11 @@ def scored_search_row(q, kb, vb, log_mass, *, scale, log_eps, margin):
 def _keep_row(buf, scored, log_unscored, *, log_eps, margin, max_topk):
   """Fewest scored keys meeting eps (then capped at ``max_topk``)."""
   real = scored & (buf > -jnp.inf)
-  lse_s = logsumexp(buf, where=real)
-  log_budget = log_eps + jnp.logaddexp(lse_s, log_unscored) - margin
-  keep = _threshold.budget_mask(buf, log_budget, real, log_unscored)
+  keep = threshold.budget_mask(
+    buf, log_eps - margin, real, log_unscored, relative=True
+  )
   if max_topk is not None and max_topk < buf.shape[-1]:
-    capped = _threshold.topk_mask(buf, max_topk, real)
+    capped = threshold.topk_mask(buf, max_topk, real)
     keep = jnp.where(jnp.sum(keep) > max_topk, capped, keep)
   return keep & real
 

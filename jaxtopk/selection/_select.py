@@ -15,11 +15,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.special import logsumexp
 
 from jaxtopk.selection import _policies
-from jaxtopk.selection import _threshold
 from jaxtopk.selection import core
+from jaxtopk.selection import threshold
 from jaxtopk.selection._certificate import Certificate
 
 # ``select`` honours every field of every policy (see the module docstring).
@@ -69,15 +68,14 @@ def keep_mask(s, policy, real, *, logit_error=0.0) -> jax.Array:
     return real
   if isinstance(policy, _policies.FixedCount):
     n_real = jnp.sum(real, axis=-1, dtype=jnp.int32)
-    return _threshold.topk_mask(s, policy.row_num_kept(n_real, n), real)
+    return threshold.topk_mask(s, policy.row_num_kept(n_real, n), real)
   if not isinstance(policy, _policies.Certified):
     raise TypeError(f"{policy=} is not a selection policy")
-  lse = logsumexp(s, axis=-1, where=real)
   margin = core.search_log_margin(n, logit_error, s.dtype)
-  log_budget = jnp.log(jnp.asarray(policy.eps, s.dtype)) + lse - margin
-  keep = _threshold.budget_mask(s, log_budget, real)
+  log_frac = jnp.log(jnp.asarray(policy.eps, s.dtype)) - margin
+  keep = threshold.budget_mask(s, log_frac, real, relative=True)
   if policy.max_topk is not None and policy.max_topk < n:
-    capped = _threshold.topk_mask(s, policy.max_topk, real)
+    capped = threshold.topk_mask(s, policy.max_topk, real)
     over = jnp.sum(keep, -1) > policy.max_topk
     keep = jnp.where(over[..., None], capped, keep)
   return keep & real
@@ -192,11 +190,13 @@ def select(logits, policy, *, mask=None, values=None, key=None) -> Selection:
   call carries a certificate), 8.1 (Top-k). Fixed-count policies keep the
   ``topk`` largest logits (ties at the threshold broken by increasing key
   index); ``Certified(eps)`` keeps the fewest keys whose dropped mass is
-  certified <= eps (all keys tied at the threshold are kept, so the set is
-  minimal up to ties). The certificate's tv_bound is the exact tail mass of
-  the kept set, rounded up (never below the float64 truth); the logits are
-  taken as exact. A -inf logit is a key of zero mass (like a masked key):
-  never kept, never counted (``n`` of Ratio / PowerLaw counts the others).
+  certified <= eps, up to the keys inside one finest histogram bin of
+  ``threshold.budget_threshold`` (~4e-5 wide in logit at eps = 0.05; all
+  keys tied at the threshold are kept). The certificate's tv_bound is the
+  exact tail mass of the kept set, rounded up (never below the float64
+  truth); the logits are taken as exact. A -inf logit is a key of zero mass
+  (like a masked key): never kept, never counted (``n`` of Ratio / PowerLaw
+  counts the others).
 
   Args:
     logits: ``[..., n_keys]`` logits, any real float dtype.

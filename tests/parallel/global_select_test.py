@@ -8,7 +8,7 @@ from absl.testing import parameterized
 from scipy.special import logsumexp
 
 from jaxtopk import parallel
-from jaxtopk.selection import _threshold
+from jaxtopk.selection import threshold
 
 
 def _split(x, n_shards):
@@ -74,7 +74,7 @@ class GlobalTopkTest(parameterized.TestCase):
     keep = _join(
       jax.jit(jax.vmap(fn, axis_name="kv"))(_split(s, 5), _split(valid, 5))
     )
-    ref = _threshold.topk_mask(s, row_topk, valid)
+    ref = threshold.topk_mask(s, row_topk, valid)
     np.testing.assert_array_equal(keep, ref)
 
 
