@@ -264,7 +264,9 @@ def budget_threshold(
   Returns:
     ``[...]`` threshold t in the logits' dtype: +inf when every key may be
     dropped (the budget covers the row), -inf when even keeping every key
-    does not meet it (extra too large) or the row has no finite maximum.
+    does not meet it (extra too large), when the relative budget is below
+    n_total times the smallest normal (flushed masses cannot be told apart
+    from it: every key is kept), or the row has no finite maximum.
   """
   s = lax.stop_gradient(jnp.asarray(logits))
   dt = s.dtype
@@ -329,6 +331,14 @@ def budget_threshold(
   t = mm - cut
   t = jnp.where(first == 0, jnp.inf, t)  # the budget covers every key
   t = jnp.where(first > num_bins, -jnp.inf, t)  # not even all keys do
+  # A budget below n tiny (relative to the max) cannot be told apart from
+  # masses that flush to 0 (gaps past ~87 in float32): keep every key. This
+  # is what a huge logit error margin asks for (core.search_log_margin):
+  # eps is then met only by keeping the whole row.
+  floor = jnp.log(jnp.asarray(max(n_total, 1), dt)) + math.log(
+    float(jnp.finfo(dt).tiny)
+  )
+  t = jnp.where(log_rel < floor, -jnp.inf, t)
   return jnp.where(ok_m, t, jnp.where(m == -jnp.inf, jnp.inf, -jnp.inf))
 
 

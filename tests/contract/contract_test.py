@@ -87,16 +87,6 @@ EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
   **{(v, "cert_mc", "contract"): _NONFINITE + _MC_AS_EXACT for v in _PREFILL},
   **{(v, "float16", "low_precision"): _NONFINITE for v in _PREFILL},
   **{(v, "bfloat16", "low_precision"): _NONFINITE + _TRIVIAL for v in _PREFILL},
-  **{("xla_decode", p, "contract"): _DECODE for p in pol.BY_NAME},
-  ("xla_decode", "cert_delta_cap", "contract"): _DECODE_REFUSES.format(
-    "Certified.max_topk with search='delta'"
-  ),
-  ("xla_decode", "cert_lowrank", "contract"): _DECODE_REFUSES.format(
-    "Certified.bound='lowrank'"
-  ),
-  ("xla_decode", "bfloat16", "low_precision"): _DECODE
-  + "; non-finite output on a valid row (mixed family)",
-  ("xla_decode", "float16", "low_precision"): _DECODE,
 }
 
 _SOAK = os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"

@@ -353,7 +353,14 @@ _SHARDED = ALL - {"search=delta", "search=mc", "bound=box", "bound=lowrank"}
 # THE list: a variant joins by adding one line.
 VARIANTS = (
   Variant("xla_prefill", _prefill(None)),
-  Variant("xla_decode", _decode(None), kind="decode", bias=False, grad=False),
+  Variant(
+    "xla_decode",
+    _decode(None),
+    kind="decode",
+    bias=False,
+    grad=False,
+    supports=BOX,
+  ),
   Variant(
     "pallas_prefill",
     _prefill("pallas"),
