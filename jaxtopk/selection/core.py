@@ -395,6 +395,26 @@ def output_error_bound(tv_bound, head_norm, tail_norm) -> jax.Array:
   return jnp.where(bad, jnp.nan, jnp.where(tv == 0, 0.0, b))
 
 
+def _add_weight_error(err, logit_error, head_norm):
+  """``err`` plus expm1(2 delta) max_H ||v_j||, rounded up.
+
+  The returned output weighs the kept values by the softmax of the COMPUTED
+  logits, each within delta of the exact one, so every weight is within a
+  factor e^{+-2 delta} of the exact kept-set weight and the two outputs
+  differ by at most sum_H |p_hat_j - p_j| max_H ||v_j|| <= expm1(2 delta)
+  max_H ||v_j|| (THEORY 10). Zero for exact logits (delta = 0).
+  """
+  dt = err.dtype
+  eps = _eps(dt)
+  h = jnp.asarray(head_norm, dt)
+  h = jnp.where(_subnormal(h), _tiny(dt), h)  # read as 0 on a CPU
+  w = jnp.expm1(2 * logit_error) * (1 + 4 * eps)
+  w = up_positive(w, logit_error > 0)
+  x = up_positive(w * h * (1 + 2 * eps), (w > 0) & (h > 0))
+  total = (err + x) * (1 + 2 * eps)
+  return jnp.where(x > 0, up_positive(total, True), err)
+
+
 def logits_ok(logits, real) -> jax.Array:
   """``[...]`` True where no real logit of the row is NaN or +inf.
 
@@ -470,7 +490,9 @@ def finish_certificate(
   if head_norm is not None:
     err = output_error_bound(tv, head_norm, tail_norm)
     if logit_error is not None:
-      err = jnp.where(jnp.asarray(logit_error) < jnp.inf, err, jnp.inf)
+      le = jnp.asarray(logit_error, err.dtype)
+      err = _add_weight_error(err, le, head_norm)
+      err = jnp.where(le < jnp.inf, err, jnp.inf)
     err = jnp.where(valid, jnp.broadcast_to(err, shape), jnp.nan)
   return Certificate(
     tv_bound=tv,
