@@ -64,13 +64,6 @@ KNOWN_PRIVATE_IMPORTS = {
     "jaxtopk.selection._threshold",
     "jaxtopk.theory._tail",
   },
-  "attention/_topk.py": {
-    "jaxtopk.selection._certificate",
-    "jaxtopk.selection._certify",
-    "jaxtopk.selection._policies",
-    "jaxtopk.selection._select",
-    "jaxtopk.theory._tail",
-  },
   "kernels/_backend.py": {"jaxtopk.selection._policies"},
   "kernels/_certify.py": {
     "jaxtopk.selection._certify",
