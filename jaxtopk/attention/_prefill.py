@@ -178,9 +178,11 @@ def _rows_of(x, q0, bq):
 
 
 def _round_up(x):
-  """x rounded up by a relative 2 eps and an absolute tiny (x finite)."""
+  """x rounded up by a relative 2 eps and an absolute tiny; -inf stays -inf
+  (a block whose keys all have bias -inf has no mass), +inf and NaN stay."""
   dt = x.dtype
-  return x + jnp.abs(x) * 2 * jnp.finfo(dt).eps + jnp.finfo(dt).tiny
+  up = x + jnp.abs(x) * 2 * jnp.finfo(dt).eps + jnp.finfo(dt).tiny
+  return jnp.where(x == -jnp.inf, x, up)
 
 
 def _keep_rule(s, pos, policy, *, delta, n_keys, log_extra=None):
@@ -574,6 +576,11 @@ def _search_tile(c, i):
     done, norm = certified(lse_s, log_un)
     # Priority of a block: its bound relative to the mass of the rows that
     # still need blocks (the largest over those rows).
+    # (A row whose norm is still +inf, from a block with an infinite bound,
+    # ranks its blocks by their bound alone: every block a row still needs
+    # has a priority above -inf, so the rounds, whose sizes add up to nb,
+    # score all of them before the last round ends.)
+    norm = jnp.where(jnp.isfinite(norm), norm, 0.0)
     rel = sg(log_mass) - norm[..., None]
     rel = jnp.where(jnp.isnan(rel), jnp.inf, rel)
     rel = jnp.where(done[..., None], -jnp.inf, rel)
