@@ -565,8 +565,14 @@ def _search_tile(c, i):
     full = None
     if c.return_keep:
       cols = jnp.broadcast_to(key_pos(idx)[:, :, None, None, :], keep.shape)
+      # A round slot with no block left to score repeats some block index
+      # (possibly a scored one): only kept keys are written (positions of
+      # kept keys are unique), the rest dropped out of range.
+      cols = jnp.where(keep, cols, p.sp)
       full = jnp.zeros((*lead, p.sp), bool)
-      full = jnp.put_along_axis(full, cols, keep, -1, inplace=False)
+      full = jnp.put_along_axis(
+        full, cols, keep, -1, inplace=False, mode="drop"
+      )
     return part, full
 
   sizes = _round_sizes(nb, c.first_round)

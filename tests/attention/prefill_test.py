@@ -110,6 +110,7 @@ class BlockwiseSoundnessTest(parameterized.TestCase):
 
 
 class BlockwiseBehaviourTest(parameterized.TestCase):
+  @pytest.mark.slow
   def test_tiles_agree_with_one_tile(self):
     # Tiling and bands change nothing for fixed-count policies.
     ks = jax.random.split(jax.random.key(0), 3)
@@ -125,6 +126,20 @@ class BlockwiseBehaviourTest(parameterized.TestCase):
       ]
       np.testing.assert_array_equal(outs[0][2], outs[1][2])
       np.testing.assert_allclose(outs[0][0], outs[1][0], atol=1e-6)
+
+  def test_kept_set_with_empty_round_slots(self):
+    # Soak regression: a round slot with no block left repeated a scored
+    # block index and erased its kept keys from the returned kept set.
+    q = jnp.zeros((1, T, H, D))
+    k = jnp.zeros((1, S, HKV, D))
+    mask = np.zeros((1, 1, T, S), bool)
+    mask[0, 0, 4, [0, 3, 6]] = True
+    policy = jaxtopk.Certified(0.2, search="delta", block_size=3)
+    _, cert, keep = _topk.xla_topk_attention_with_keep(
+      q, k, k, policy=policy, mask=mask, block_sizes=SMALL
+    )
+    np.testing.assert_array_equal(np.nonzero(keep[0, 0, 4])[0], [0, 3, 6])
+    self.assertEqual(int(cert.k_kept[0, 4, 0]), 3)
 
   def test_delta_search_skips_blocks_of_a_peaked_row(self):
     # Keys in 16 topic blocks of 4; every query seeks topic 1: Delta-Search
