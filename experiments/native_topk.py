@@ -67,17 +67,6 @@ from jaxtopk import models
 from jaxtopk import parallel
 from jaxtopk import tasks
 
-_CONFIG = config_flags.DEFINE_config_file(
-  "config",
-  None,
-  "Path to experiments/configs/native_topk.py[:smoke].",
-  lock_config=True,
-)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
-# Empty: no mesh on one process; all devices on `data` on several.
-_MESH = parallel.define_mesh_flag()
-_INIT_DISTRIBUTED = parallel.define_distributed_flags()
-
 PHASES = ("base", "dense", "topk")
 TASKS = ("recall", "lookup", "aggregate", "needle")
 
@@ -610,6 +599,24 @@ def main(argv):
   )
 
 
-if __name__ == "__main__":
+def _define_flags():
+  """Defines the binary's flags (only when run as a script, so that other
+  binaries can import this module: experiments/kv_retrieval trains its
+  decoder with ``train_phase``)."""
+  global _CONFIG, _WORKDIR, _MESH, _INIT_DISTRIBUTED
+  _CONFIG = config_flags.DEFINE_config_file(
+    "config",
+    None,
+    "Path to experiments/configs/native_topk.py[:smoke].",
+    lock_config=True,
+  )
+  _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+  # Empty: no mesh on one process; all devices on `data` on several.
+  _MESH = parallel.define_mesh_flag()
+  _INIT_DISTRIBUTED = parallel.define_distributed_flags()
   flags.mark_flags_as_required(["config", "workdir"])
+
+
+if __name__ == "__main__":
+  _define_flags()
   app.run(main)

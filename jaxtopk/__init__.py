@@ -9,10 +9,17 @@ from jaxtopk import models
 from jaxtopk import nn
 from jaxtopk import parallel
 from jaxtopk import theory
+from jaxtopk.attention import IndexedKVCache
 from jaxtopk.attention import KVCache
+from jaxtopk.attention import build_kv_index
+from jaxtopk.attention import certify_selection
 from jaxtopk.attention import decode_attention
+from jaxtopk.attention import grow_selection
 from jaxtopk.attention import init_kv_cache
 from jaxtopk.attention import kv_cache_update
+from jaxtopk.attention import kv_index_from_cache
+from jaxtopk.attention import kv_index_update
+from jaxtopk.attention import rebuild_kv_index
 from jaxtopk.attention import topk_attention
 from jaxtopk.selection import Box
 from jaxtopk.selection import Certificate

@@ -64,17 +64,7 @@ KNOWN_PRIVATE_IMPORTS = {
     "jaxtopk.selection._threshold",
     "jaxtopk.theory._tail",
   },
-  "kernels/_backend.py": {"jaxtopk.selection._policies"},
-  "kernels/_certify.py": {
-    "jaxtopk.selection._certify",
-    "jaxtopk.theory._tail",
-  },
   "parallel/_global_select.py": {"jaxtopk.selection._threshold"},
-  "parallel/_kv_sharded.py": {
-    "jaxtopk.selection._certify",
-    "jaxtopk.selection._select",
-    "jaxtopk.theory._tail",
-  },
   "selection/_search.py": {"jaxtopk.theory._blockwise"},
 }
 

@@ -7,6 +7,14 @@ from jaxtopk.attention._decode import DECODE_IMPLEMENTATIONS
 from jaxtopk.attention._decode import decode_attention
 from jaxtopk.attention._decode import register_decode_implementation
 from jaxtopk.attention._decode import topk_indices
+from jaxtopk.attention._index import IndexedKVCache
+from jaxtopk.attention._index import build_kv_index
+from jaxtopk.attention._index import kv_index_from_cache
+from jaxtopk.attention._index import kv_index_update
+from jaxtopk.attention._index import rebuild_kv_index
+from jaxtopk.attention._index_search import certify_selection
+from jaxtopk.attention._index_search import group_upper_bounds
+from jaxtopk.attention._index_search import grow_selection
 from jaxtopk.attention._topk import IMPLEMENTATIONS
 from jaxtopk.attention._topk import causal_mask
 from jaxtopk.attention._topk import register_implementation

@@ -309,6 +309,10 @@ def decode_attention(
     NotImplementedError: for an unregistered 'pallas' implementation.
   """
   query = jnp.asarray(query)
+  if hasattr(cache, "decode_attention"):  # e.g. an IndexedKVCache (_index.py)
+    return cache.decode_attention(
+      query, policy=policy, scale=scale, implementation=implementation, key=key
+    )
   if not isinstance(policy, _policies.Policy):
     raise TypeError(f"{policy=} must be a jaxtopk selection policy")
   b, hk, _, d = cache.keys.shape

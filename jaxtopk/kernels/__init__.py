@@ -4,6 +4,8 @@ Every kernel has a public wrapper (``interpret=`` for CPU), a frozen
 ``BlockSizes`` and a pure-jnp ``*_reference``.
 """
 
+from jaxtopk.kernels._backend import DECODE_SUPPORTS
+from jaxtopk.kernels._backend import PREFILL_SUPPORTS
 from jaxtopk.kernels._backend import pallas_decode_attention
 from jaxtopk.kernels._backend import pallas_topk_attention
 from jaxtopk.kernels._backend import register as _register
@@ -14,8 +16,8 @@ from jaxtopk.kernels._block_stats import block_stats_reference
 from jaxtopk.kernels._block_stats import (
   visible_mask as sparse_flash_visible_mask,
 )
-from jaxtopk.kernels._certify import block_value_norms
 from jaxtopk.kernels._decode import BlockSizes as DecodeSizes
+from jaxtopk.kernels._decode import block_value_norms
 from jaxtopk.kernels._decode import certified_decode
 from jaxtopk.kernels._decode import certified_decode_reference
 from jaxtopk.kernels._prefill import certified_sparse_attention
@@ -25,6 +27,7 @@ from jaxtopk.kernels._select import BlockSelection
 from jaxtopk.kernels._select import per_query_kept
 from jaxtopk.kernels._select import select_blocks
 from jaxtopk.kernels._sparse_flash import BlockSizes as SparseFlashSizes
+from jaxtopk.kernels._sparse_flash import FlashStats
 from jaxtopk.kernels._sparse_flash import (
   gathered_attention as sparse_flash_gathered_attention,
 )
@@ -33,5 +36,7 @@ from jaxtopk.kernels._sparse_flash import (
 )
 from jaxtopk.kernels._sparse_flash import sparse_flash_attention
 from jaxtopk.kernels._sparse_flash import sparse_flash_attention_reference
+from jaxtopk.kernels._sparse_flash import sparse_flash_stats
+from jaxtopk.kernels._sparse_flash import sparse_flash_stats_reference
 
 _register()

@@ -1,47 +1,81 @@
 """``implementation='pallas'`` for ``topk_attention`` and ``decode_attention``.
 
 Registered with the attention layer's hooks when ``jaxtopk.kernels`` is
-imported (``jaxtopk`` imports it). What the Pallas backend supports:
+imported (``jaxtopk`` imports it). Every policy field is honoured or refused
+by name (``Policy.require`` with the capabilities below):
 
-- policies: ``Dense()`` (eps = 0: every block with mass is kept) and
-  ``Certified(eps)``. Selection is at BLOCK granularity (whole key blocks of
-  ``Certified.block_size`` keys are kept or dropped), so the kept set is a
-  superset-by-blocks rather than the XLA path's minimal key set: both
-  certify tau <= eps, their outputs differ by at most the sum of their
-  output-error bounds. Prefill keeps blocks by exact mass (``block_stats``);
-  decode runs Delta-Search over the cache's box summaries for every
-  ``Certified.search`` ('exact', 'delta' and 'mc' all give the
-  deterministic Delta-Search certificate, failure_prob 0).
+- prefill (``PREFILL_SUPPORTS``): ``Dense()`` and ``Certified(eps)`` with
+  the exact search: every logit is scored by ``block_stats`` and whole key
+  blocks of ``Certified.block_size`` keys are kept by exact mass (the kept
+  set is the fewest BLOCKS meeting eps, a superset-by-blocks of the XLA
+  path's minimal key set: both certify tau <= eps); ``max_topk`` keeps at
+  most ``max_topk // block_size`` blocks per query (a ``max_topk`` below
+  ``block_size`` cannot be met with whole blocks and is refused).
+- decode (``DECODE_SUPPORTS``): ``Dense()`` and ``Certified(eps,
+  search='delta')`` with the box bound (Delta-Search over the cache's block
+  boxes; ``Certified.block_size`` must equal the cache's); ``max_topk``
+  caps the scored blocks (one split; refused below the block size).
+  'exact' (every logit scored, minimal key set) and 'mc' (sampling) are
+  other searches than the kernel's and are refused by name, never mapped.
+- Fixed-count policies (FixedK, Ratio, PowerLaw) are refused (a kernel
+  that keeps whole blocks cannot keep exactly k keys).
 - masks: key padding only (a mask that broadcasts from ``[batch, 1, 1,
-  kv_len]``) and ``is_causal``; no ``bias``.
+  kv_len]``) and ``is_causal``; no ``bias``; a static scale. Anything else
+  raises NotImplementedError naming the argument.
 - On CPU the kernels run in interpret mode (correct, not fast).
-
-Anything else raises NotImplementedError naming what is not supported.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from jaxtopk import attention
+from jaxtopk.attention import checks
 from jaxtopk.kernels import _decode
 from jaxtopk.kernels import _prefill
 from jaxtopk.kernels import _sparse_flash
-from jaxtopk.selection import _policies
+from jaxtopk.selection import Certified
+from jaxtopk.selection import UnsupportedPolicyError
+from jaxtopk.selection import capabilities
 
-
-def _eps(policy) -> float:
-  if isinstance(policy, _policies.Dense):
-    return 0.0
-  if isinstance(policy, _policies.Certified):
-    return float(policy.eps)
-  raise NotImplementedError(
-    f"implementation='pallas' supports Dense() and Certified(eps) policies;"
-    f" got {policy=}. Use implementation='xla'."
-  )
+PREFILL = "topk_attention(implementation='pallas')"
+DECODE = "decode_attention(implementation='pallas')"
+PREFILL_SUPPORTS = capabilities(
+  "policy=Dense", "policy=Certified", "search=exact", "max_topk"
+)
+DECODE_SUPPORTS = capabilities(
+  "policy=Dense", "policy=Certified", "search=delta", "bound=box", "max_topk"
+)
+_DENSE_BLOCK = 128
 
 
 def _interpret() -> bool:
   return jax.default_backend() == "cpu"
+
+
+def _static_scale(scale, head_dim, backend) -> float:
+  scale = checks.check_scale(scale, head_dim)
+  if not isinstance(scale, float):
+    raise NotImplementedError(
+      f"{backend} needs a static (Python number) scale; got a"
+      f" {type(scale).__name__}. Use implementation='xla' for a traced scale."
+    )
+  return scale
+
+
+def _max_blocks(policy, block_size, backend) -> int | None:
+  """``Certified.max_topk`` as a cap on whole blocks, or a refusal."""
+  cap = getattr(policy, "max_topk", None)
+  if cap is None:
+    return None
+  if cap < block_size:
+    raise UnsupportedPolicyError(
+      f"Certified.max_topk={cap} is not supported by {backend} with"
+      f" block_size={block_size}: it keeps whole blocks, so max_topk must be"
+      " >= the block size"
+    )
+  return cap // block_size
 
 
 def _key_padding(mask, b, s):
@@ -52,8 +86,8 @@ def _key_padding(mask, b, s):
   shape = (1,) * (4 - mask.ndim) + mask.shape
   if shape[1] != 1 or shape[2] != 1:
     raise NotImplementedError(
-      f"implementation='pallas' supports key-padding masks that broadcast"
-      f" from [batch, 1, 1, kv_len]; got mask.shape={jnp.shape(mask)}."
+      f"{PREFILL} supports key-padding masks that broadcast from [batch, 1,"
+      f" 1, kv_len]; got mask.shape={jnp.shape(mask)}."
     )
   return jnp.broadcast_to(mask.reshape(shape)[:, 0, 0, :], (b, s))
 
@@ -66,52 +100,69 @@ def pallas_topk_attention(
   query, key, value, *, policy, mask, bias, is_causal, scale, values_bound
 ):
   """``topk_attention`` on the Pallas kernels (see module docstring)."""
+  query, key, value, dims = checks.check_qkv(query, key, value)
+  checks.check_policy(policy, PREFILL, PREFILL_SUPPORTS)
   if bias is not None:
-    raise NotImplementedError("implementation='pallas' does not take bias")
-  eps = _eps(policy)
-  block_k = getattr(policy, "block_size", 128)
+    raise NotImplementedError(
+      f"{PREFILL} does not take bias=; use implementation='xla'"
+    )
+  is_causal = checks.check_is_causal(is_causal)
+  mask = checks.check_mask(mask, dims.logits_shape)
+  scale = _static_scale(scale, dims.head_dim, PREFILL)
+  certified = isinstance(policy, Certified)
+  block_k = policy.block_size if certified else _DENSE_BLOCK
+  max_blocks = _max_blocks(policy, block_k, PREFILL)
   b, t, _, _ = query.shape
   s = key.shape[1]
+  mask = _key_padding(mask, b, s)
+  if dims.empty:
+    return checks.empty_result(dims, query.dtype, values_bound=values_bound)
   out, cert = _prefill.certified_sparse_attention(
     jnp.swapaxes(query, 1, 2),
     jnp.swapaxes(key, 1, 2),
     jnp.swapaxes(value, 1, 2),
-    eps=eps,
-    mask=_key_padding(mask, b, s),
+    eps=float(policy.eps) if certified else 0.0,
+    mask=mask,
     scale=scale,
     is_causal=is_causal,
+    max_blocks=max_blocks,
     block_sizes=_sparse_flash.BlockSizes(_block_q(t), block_k),
     interpret=_interpret(),
   )
   cert = jax.tree.map(lambda x: jnp.swapaxes(x, 1, 2), cert)  # [b, t, h]
   if not values_bound:
-    cert = cert.__class__(
-      tv_bound=cert.tv_bound,
-      log_tv_bound=cert.log_tv_bound,
-      k_kept=cert.k_kept,
-      keys_scored=cert.keys_scored,
-      output_error_bound=None,
-      valid=cert.valid,
-    )
+    cert = dataclasses.replace(cert, output_error_bound=None)
   return jnp.swapaxes(out, 1, 2), cert
 
 
 def pallas_decode_attention(query, cache, rng, *, policy, scale):
   """``decode_attention`` on the Pallas decode kernel (see module docstring)."""
   del rng  # Delta-Search is deterministic.
-  eps = _eps(policy)
-  b, _, h, _ = query.shape
-  box = cache.box()
+  query = checks.check_array(query, "query")
+  checks.check_policy(policy, DECODE, DECODE_SUPPORTS)
+  bs = cache.block_size
+  certified = isinstance(policy, Certified)
+  if certified and policy.block_size != bs:
+    raise UnsupportedPolicyError(
+      f"Certified.block_size={policy.block_size} is not supported by {DECODE}"
+      f" on a cache of block_size={bs}: Delta-Search scores the cache's"
+      " blocks; they must be equal"
+    )
+  max_blocks = _max_blocks(policy, bs, DECODE)
+  d = query.shape[-1]
+  scale = _static_scale(scale, d, DECODE)
+  splits = 1 if max_blocks is not None else _decode_splits(cache)
   out, cert = _decode.certified_decode(
     query[:, 0],
     cache.keys,
     cache.values,
-    eps=eps,
+    eps=float(policy.eps) if certified else 0.0,
     mask=cache.valid()[:, 0],
     scale=scale,
-    summary=box,
+    summary=cache.box(),
     value_norms=cache.vnorm,
-    block_sizes=_decode.BlockSizes(cache.block_size, _decode_splits(cache)),
+    max_blocks=max_blocks,
+    block_sizes=_decode.BlockSizes(bs, splits),
     interpret=_interpret(),
   )
   out = out[:, None]  # [b, 1, h, dv]

@@ -50,26 +50,48 @@ class BlockStats:
   Attributes:
     max_logit: ``[b, h, q, n_blocks]`` float32 max real logit of the block
       (-inf where the block has no real key for this query).
+    denom: ``[b, h, q, n_blocks]`` float32 sum_{i in block} e^{s_i -
+      max_logit} (0 where empty): the block's mass as a (max, sum) pair,
+      what ``core.Partial.from_stats`` takes.
     lse: ``[b, h, q, n_blocks]`` float32 log sum_{i in block} e^{s_i}
-      (-inf where empty).
+      (-inf where empty), for selection.
     count: ``[b, h, q, n_blocks]`` int32 real keys of the block visible to
       the query (padding and causal masks applied).
+    bad: ``[b, h, q, n_blocks]`` int32 visible real keys whose logit is NaN
+      or +inf (their row is invalid, ``core.row_valid``).
   """
 
   max_logit: jax.Array
+  denom: jax.Array
   lse: jax.Array
   count: jax.Array
+  bad: jax.Array
 
 
 def _kernel(
-  q_ref, k_ref, kvm_ref, m_ref, lse_ref, cnt_ref, *, scale, causal, bq, bk
+  q_ref,
+  k_ref,
+  kvm_ref,
+  m_ref,
+  l_ref,
+  cnt_ref,
+  bad_ref,
+  *,
+  scale,
+  causal,
+  bq,
+  bk,
 ):
   """One (query tile, key block): refs q [bq, d], k [bk, d], kvm [1, bk]."""
   qi, kj = pl.program_id(1), pl.program_id(2)
   q = q_ref[...]
   k = k_ref[...]
   s = lax.dot_general(
-    q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    q,
+    k,
+    (((1,), (1,)), ((), ())),
+    preferred_element_type=jnp.float32,
+    precision=_common.PRECISION,
   )  # [bq, bk]
   s = s * scale
   valid = kvm_ref[...] != 0  # [1, bk]
@@ -79,15 +101,17 @@ def _kernel(
     valid = valid & (kpos <= qpos)
   else:
     valid = jnp.broadcast_to(valid, (bq, bk))
-  s = jnp.where(valid, s, _common.MASK_VALUE)
-  m = jnp.max(s, axis=1, keepdims=True)  # [bq, 1]
-  p = jnp.where(valid, jnp.exp(s - m), 0.0)
-  ell = jnp.sum(p, axis=1, keepdims=True)  # [bq, 1]
-  cnt = jnp.sum(valid.astype(jnp.float32), axis=1, keepdims=True)
-  has = cnt > 0
-  m_ref[...] = jnp.where(has, m, _common.MASK_VALUE)
-  lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, ell, 1.0)), 0.0)
-  cnt_ref[...] = cnt
+  # NaN (s != s) or +inf logits: counted, then kept out of the masses.
+  broken = valid & ((s != s) | (s > jnp.finfo(jnp.float32).max))
+  ok = valid & ~broken
+  s = jnp.where(ok, s, _common.MASK_VALUE)
+  # >= MASK_VALUE: a block of -inf logits (overflow) gives exp(-inf) = 0.
+  m = jnp.maximum(jnp.max(s, axis=1, keepdims=True), _common.MASK_VALUE)
+  p = jnp.where(ok, jnp.exp(s - m), 0.0)
+  m_ref[...] = m
+  l_ref[...] = jnp.sum(p, axis=1, keepdims=True)  # [bq, 1]
+  cnt_ref[...] = jnp.sum(valid.astype(jnp.float32), axis=1, keepdims=True)
+  bad_ref[...] = jnp.sum(broken.astype(jnp.float32), axis=1, keepdims=True)
 
 
 @functools.partial(
@@ -157,7 +181,7 @@ def block_stats(
   )
   out_spec = pl.BlockSpec((None, None, bq, 1), lambda i, qi, kj: (i, kj, qi, 0))
   stat = jax.ShapeDtypeStruct((b * h, nkb, nq_p, 1), jnp.float32)
-  m, lse, cnt = pl.pallas_call(
+  m, ell, cnt, bad = pl.pallas_call(
     kernel,
     grid=(b * h, nqt, nkb),
     in_specs=[
@@ -165,8 +189,8 @@ def block_stats(
       pl.BlockSpec((None, bk, d), lambda i, qi, kj: (kv_row(i), kj, 0)),
       pl.BlockSpec((None, 1, bk), lambda i, qi, kj: (lax.div(i, h), 0, kj)),
     ],
-    out_specs=[out_spec, out_spec, out_spec],
-    out_shape=[stat, stat, stat],
+    out_specs=[out_spec] * 4,
+    out_shape=[stat] * 4,
     compiler_params=_common.compiler_params(
       backend, ("parallel", "parallel", "parallel")
     ),
@@ -178,12 +202,21 @@ def block_stats(
     x = x[..., 0].reshape(b, h, nkb, nq_p)[:, :, :, :nq]
     return jnp.swapaxes(x, 2, 3)  # [b, h, q, nb]
 
-  cnt = unpack(cnt).astype(jnp.int32)
-  empty = cnt == 0
+  return _stats(unpack(m), unpack(ell), unpack(cnt), unpack(bad))
+
+
+def _stats(m, ell, cnt, bad) -> BlockStats:
+  """BlockStats from raw (max, sum, count, bad) with empty blocks -inf."""
+  has = ell > 0
+  m = jnp.where(has, m, -jnp.inf)
+  ell = jnp.where(has, ell, 0.0)
+  lse = jnp.where(has, m + jnp.log(jnp.where(has, ell, 1.0)), -jnp.inf)
   return BlockStats(
-    max_logit=jnp.where(empty, -jnp.inf, unpack(m)),
-    lse=jnp.where(empty, -jnp.inf, unpack(lse)),
-    count=cnt,
+    max_logit=m,
+    denom=ell,
+    lse=lse,
+    count=cnt.astype(jnp.int32),
+    bad=bad.astype(jnp.int32),
   )
 
 
@@ -220,12 +253,14 @@ def block_stats_reference(
   nb = s.shape[3] // block_k
   s = s.reshape(b, h, nq, nb, block_k)  # [b, h, q, nb, bk]
   vis = vis.reshape(b, h, nq, nb, block_k)
-  cnt = jnp.sum(vis, axis=-1, dtype=jnp.int32)
-  m = jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1)
-  lse = jax.nn.logsumexp(s, axis=-1, where=vis)
-  empty = cnt == 0
-  return BlockStats(
-    max_logit=jnp.where(empty, -jnp.inf, m),
-    lse=jnp.where(empty, -jnp.inf, lse),
-    count=cnt,
+  broken = vis & (jnp.isnan(s) | (s == jnp.inf))
+  ok = vis & ~broken
+  m = jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1)
+  ms = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
+  ell = jnp.sum(jnp.where(ok, jnp.exp(jnp.where(ok, s, ms) - ms), 0.0), -1)
+  return _stats(
+    m,
+    ell,
+    jnp.sum(vis, axis=-1, dtype=jnp.int32),
+    jnp.sum(broken, axis=-1, dtype=jnp.int32),
   )

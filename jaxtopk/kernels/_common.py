@@ -1,4 +1,4 @@
-"""Helpers shared by the Pallas kernels: backends, padding, masks, slack.
+"""Helpers shared by the Pallas kernels: backends, padding, masks, summaries.
 
 Two grid styles are used, one per target (DESIGN.md, "kernels"):
 
@@ -15,16 +15,24 @@ Two grid styles are used, one per target (DESIGN.md, "kernels"):
 Both run in interpret mode on CPU, which is what the tests check.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from jaxtopk.selection import core
+
 BACKENDS = ("tpu", "gpu")
 
 # One finite mask value inside kernels (never -inf), as jax's Pallas ops do.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Every in-kernel dot at full float32 precision: the certificate's logit
+# rounding bound assumes it (a TPU's default bf16 passes or a GPU's TF32
+# would break it).
+PRECISION = lax.Precision.HIGHEST
 
 
 def resolve_backend(backend: str | None) -> str:
@@ -95,43 +103,85 @@ def kv_mask_array(mask, batch: int, n_keys: int) -> jax.Array:
   return mask.astype(jnp.int32)[:, None, :]
 
 
-def block_abs_max(key, *, block_size: int, mask=None) -> jax.Array:
-  """``[b, h_kv, n_blocks, d]`` max |k_c| over each block's real keys.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KeySummary:
+  """Per-block key summaries for the logit rounding bound (THEORY 3.4).
 
-  Used for the logit rounding slack: for every key i of block b,
-  sum_c |q_c k_ic| <= sum_c |q_c| absmax_bc.
+  Attributes:
+    absmax: ``[b, h_kv, n_blocks, d]`` max |k_c| over each block's real keys
+      (box form: for every key i of block b, sum_c |q_c k_ic| <= sum_c |q_c|
+      absmax_bc).
+    norm: ``[b, h_kv, n_blocks]`` max ||k_i|| over the block's real keys,
+      rounded up (``core.norms_up``).
+    flushed: ``[b, h_kv, n_blocks]`` bool, some real key of the block has
+      subnormal components (``core.flushed``).
+    count: ``[b, h_kv, n_blocks]`` int32 real keys.
+  """
+
+  absmax: jax.Array
+  norm: jax.Array
+  flushed: jax.Array
+  count: jax.Array
+
+
+def key_summary(key, *, block_size: int, mask=None) -> KeySummary:
+  """``KeySummary`` of ``[b, h_kv, n, d]`` keys in blocks of ``block_size``.
+
+  Args:
+    key: ``[b, h_kv, n, d]``.
+    block_size: keys per block.
+    mask: optional ``[b, n]`` bool, True for a real key.
   """
   b, hkv, n, d = key.shape
-  k = pad_to(key.astype(jnp.float32), 2, block_size)
+  k = pad_to(key, 2, block_size)
   nb = k.shape[2] // block_size
-  k = jnp.abs(k).reshape(b, hkv, nb, block_size, d)  # [b, hkv, nb, bs, d]
-  if mask is not None:
-    m = pad_to(jnp.asarray(mask, bool), 1, block_size)
-    m = m.reshape(b, 1, nb, block_size, 1)
-    k = jnp.where(m, k, 0.0)
-  return jnp.max(k, axis=3)  # [b, hkv, nb, d]
+  real = jnp.ones((b, n), bool) if mask is None else jnp.asarray(mask, bool)
+  real = pad_to(real, 1, block_size, False).reshape(b, 1, nb, block_size)
+  kb = k.reshape(b, hkv, nb, block_size, d)
+  dt = core.compute_dtype(key.dtype)
+  absmax = jnp.max(
+    jnp.where(real[..., None], jnp.abs(kb.astype(dt)), 0.0), axis=3
+  )
+  norms = core.norms_up(k).reshape(b, hkv, nb, block_size)
+  norm = jnp.max(jnp.where(real, norms, 0.0), axis=3)
+  fl = core.flushed(k).reshape(b, hkv, nb, block_size)
+  flushed = jnp.any(real & fl, axis=3)
+  count = jnp.broadcast_to(jnp.sum(real, axis=3, dtype=jnp.int32), norm.shape)
+  return KeySummary(absmax=absmax, norm=norm, flushed=flushed, count=count)
 
 
-def logit_slack(query, absmax, *, scale: float) -> jax.Array:
-  """Bound on the float32 rounding error of every logit of a block.
+def logit_error(query, summary: KeySummary, *, scale, where=None):
+  """``[b, h, q]`` bound on |computed - exact| of every logit of each row.
 
-  A float32 dot product of d terms is off by at most (d + 2) eps32
-  sum_c |q_c k_c| (DESIGN "certificate"; THEORY 3.4).
+  ``core.logit_error_bound`` with the box form per block (the smaller of
+  Cauchy-Schwarz and sum_c |q_c| absmax_c), maximised over the blocks with
+  real keys (and ``where``, e.g. visible to the query).
 
   Args:
     query: ``[b, h, q, d]``.
-    absmax: ``[b, h_kv, n_blocks, d]`` from ``block_abs_max``.
-    scale: positive logit scale.
+    summary: the keys' ``KeySummary`` (``h_kv`` heads, GQA repeated here).
+    scale: the logit scale.
+    where: optional ``[b, h, q, n_blocks]`` bool blocks that count.
 
   Returns:
-    ``[b, h, q, n_blocks]`` float32 slack, >= 0.
+    ``[b, h, q]`` delta (compute dtype).
   """
-  b, h, _, d = query.shape
-  g = h // absmax.shape[1]
-  a = jnp.repeat(absmax, g, axis=1)  # [b, h, nb, d]
-  qa = jnp.abs(query.astype(jnp.float32))
-  terms = jnp.einsum("bhqd,bhnd->bhqn", qa, a)  # [b, h, q, nb]
-  eps = float(jnp.finfo(jnp.float32).eps)
-  # (d + 3): the dot product's d + 2 plus the multiplication by scale; the
-  # einsum above rounds too, so its result is rounded up by (d + 2) eps.
-  return ((d + 3) * eps * scale) * terms * (1 + (d + 2) * eps)
+  h = query.shape[1]
+  g = h // summary.absmax.shape[1]
+  rep = lambda x: jnp.repeat(x, g, axis=1)  # noqa: E731
+  q = jax.lax.stop_gradient(query)
+  abs_dot = core.abs_dot_box(q, rep(summary.absmax))  # [b, h, q, nb]
+  delta = core.logit_error_bound(
+    q_norm=core.norms_up(q)[..., None],
+    k_norm=rep(summary.norm)[:, :, None, :],
+    head_dim=query.shape[-1],
+    scale=scale,
+    abs_dot=abs_dot,
+    q_flushed=core.flushed(q)[..., None],
+    k_flushed=rep(summary.flushed)[:, :, None, :],
+  )  # [b, h, q, nb]
+  use = rep(summary.count)[:, :, None, :] > 0
+  if where is not None:
+    use = use & where
+  return jnp.max(jnp.where(use, delta, 0.0), axis=-1)

@@ -3,26 +3,31 @@
 One query per head against a long cache ``[b, kv_heads, n, d]`` (THEORY 6.2,
 DESIGN "one decode step"):
 
-1. Outside the kernel (XLA): box summaries of the cache blocks give a sound
-   upper bound u_b on every logit of block b (THEORY 3.3,
-   ``jaxtopk.theory.box_upper_bound``); blocks are ordered by u_b, largest
-   first, and dealt round-robin to ``num_splits`` splits (split s gets ordered
-   positions s, s + S, s + 2S, ...). For each split and position j the
-   remaining bound R_s(j) = log sum_{its positions > j} |B| e^{u_b} is
-   precomputed.
-2. The kernel (one program per query head and split) scores its blocks in
-   order with an online softmax (m, l, acc) and stops after position j as
-   soon as R_s(j) <= log(eps / (1 - eps)) + log Z_s (Delta-Search's stopping
-   rule, per split). If every split stops this way, sum_s U_s <= eps/(1-eps)
-   sum_s Z_s, so tau <= U / (Z_H + U) <= eps (THEORY 2.4).
-3. Partial (acc, m, l) and the number of scored positions per split are
-   merged outside the kernel (split-K), and ``_certify.certificate`` bounds
-   tau from what was really scored, whatever the stopping decisions were.
+1. Outside the kernel (XLA): box summaries of the cache blocks give an upper
+   bound u_b on every EXACT logit of block b (``box_upper_bound_dot`` plus
+   the logit rounding bound delta of ``core.logit_error_bound``, which also
+   covers subnormal inputs that the CPU reads as 0; THEORY 3.3, 3.4);
+   blocks are ordered by u_b, largest first, and dealt round-robin to
+   ``num_splits`` splits (split s gets ordered positions s, s + S, ...). For
+   each split and position j the remaining bound R_s(j) = log sum_{its
+   positions > j} |B| e^{u_b} is precomputed, and per row the stopping
+   level log c, c = e^t / (1 - e^t), t = log eps minus the certificate's
+   margin (``core.search_log_margin``).
+2. The kernel (one program per query head and split; ``_decode_tpu`` and
+   ``_decode_gpu`` are the two grid styles, ``_decode_step`` their shared
+   body) scores its blocks in order with ``core.online_step`` (normalised
+   output, rounding tracked) and stops after position j as soon as
+   R_s(j) <= log c + log Z_s (Delta-Search's rule, per split). If every
+   split stops this way, tau <= U / (Z_H + U) <= e^t <= eps.
+3. The certificate comes from the core only: each split's statistics are a
+   ``core.Partial`` (``from_stats``), merged by ``Partial.reduce`` (split-K),
+   with the unscored blocks' bounds added to the tail (``add_tail``), and
+   ``finalize`` bounds tau by what was really scored, whatever the stopping
+   decisions were.
 
-TPU: ordered block indices are scalar-prefetched and drive the K/V index
-maps; once a split has stopped its remaining steps skip all compute, but the
-pipeline still fetches their blocks (a manual-DMA version would not). GPU:
-a while loop that really stops reading.
+Policy fields (``jaxtopk.kernels._backend``): the search is Delta-Search
+with the box bound; ``max_topk`` caps the scored blocks (one split, at most
+``max_topk // block_k`` blocks: the kept set is whole scored blocks).
 """
 
 import dataclasses
@@ -32,18 +37,17 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 from jax.scipy.special import logsumexp
 
 from jaxtopk import theory
-from jaxtopk.kernels import _certify
 from jaxtopk.kernels import _common
+from jaxtopk.kernels import _decode_gpu
+from jaxtopk.kernels import _decode_tpu
 from jaxtopk.selection import Certificate
+from jaxtopk.selection import box_upper_bound_dot
+from jaxtopk.selection import core
 
-# The kernel aims a little below eps so that the final certificate, which adds
-# rounding slack, still lands at or below eps.
-_EPS_MARGIN = 0.98
+_RUN = {"tpu": _decode_tpu.run, "gpu": _decode_gpu.run}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +77,9 @@ class DecodePlan:
       (padding positions repeat the split's last live block).
     rest: ``[b, h, S, bps]`` float32 log bound on the mass of the split's
       blocks after each position (``MASK_VALUE`` when none is left).
-    n_live: ``[b, h, S]`` int32 positions holding a block with real keys.
-    upper: ``[b, h, n_blocks]`` float32 sound logit upper bounds u_b.
+    n_live: ``[b, h, S]`` int32 positions the split may score (blocks with
+      real keys, capped by ``max_blocks``).
+    upper: ``[b, h, n_blocks]`` float32 bounds u_b on the exact logits.
     count: ``[b, h, n_blocks]`` int32 real keys per block.
   """
 
@@ -85,8 +90,16 @@ class DecodePlan:
   count: jax.Array
 
 
-def plan(query, box: theory.BoxSummary, *, scale, num_splits: int):
-  """Orders blocks by box upper bound and deals them to splits (XLA).
+def plan(
+  query,
+  box: theory.BoxSummary,
+  *,
+  scale,
+  num_splits: int,
+  delta=None,
+  max_blocks: int | None = None,
+):
+  """Orders blocks by their logit bound and deals them to splits (XLA).
 
   Args:
     query: ``[b, h, d]``.
@@ -94,18 +107,20 @@ def plan(query, box: theory.BoxSummary, *, scale, num_splits: int):
       n_blocks]`` (``theory.box_summary`` or a KVCache's incremental one).
     scale: logit scale.
     num_splits: split-K programs per head.
+    delta: optional ``[b, h]`` logit rounding bound, added to the box bounds
+      (which then bound the EXACT logits).
+    max_blocks: optional cap on the positions scored per split.
   """
-  b, h, _ = query.shape
+  b, h, d = query.shape
   hkv = box.kmin.shape[1]
   g = h // hkv
-  count = jnp.broadcast_to(box.count, box.kmin.shape[:3])
-  box = theory.BoxSummary(
-    kmin=jnp.repeat(box.kmin, g, axis=1),
-    kmax=jnp.repeat(box.kmax, g, axis=1),
-    count=jnp.repeat(count, g, axis=1),
-  )  # [b, h, nb, d]
-  upper = theory.box_upper_bound(query, box, scale=scale)  # [b, h, nb]
-  count = box.count
+  count = jnp.broadcast_to(box.count, box.kmin.shape[:3])  # [b, hkv, nb]
+  box = theory.BoxSummary(kmin=box.kmin, kmax=box.kmax, count=count)
+  q = query.reshape(b, hkv, g, d)
+  upper = box_upper_bound_dot(q, box, scale=scale).reshape(b, h, -1)
+  if delta is not None:
+    upper = upper + delta[..., None]
+  count = jnp.repeat(count, g, axis=1)  # [b, h, nb]
   nb = upper.shape[-1]
   bps = _common.cdiv(nb, num_splits)
   total = bps * num_splits
@@ -124,14 +139,26 @@ def plan(query, box: theory.BoxSummary, *, scale, num_splits: int):
   logw = logw.reshape(b, h, bps, num_splits).swapaxes(2, 3)
   live = live.reshape(b, h, bps, num_splits).swapaxes(2, 3)
   n_live = jnp.sum(live, axis=-1, dtype=jnp.int32)  # live come first
+  if max_blocks is not None:
+    n_live = jnp.minimum(n_live, max_blocks)
   suffix = lax.cumlogsumexp(logw, axis=3, reverse=True)
   rest = jnp.concatenate(
     [suffix[..., 1:], jnp.full_like(suffix[..., :1], -jnp.inf)], axis=-1
   )
-  rest = jnp.where(jnp.isfinite(rest), rest, _common.MASK_VALUE)
+  rest = jnp.where(rest > -jnp.inf, rest, _common.MASK_VALUE)
+  rest = jnp.where(jnp.isnan(rest), jnp.inf, rest)  # never stop on NaN
   last = jnp.take_along_axis(order, jnp.maximum(n_live - 1, 0)[..., None], -1)
   order = jnp.where(jnp.arange(bps) < n_live[..., None], order, last)
   return DecodePlan(order, rest.astype(jnp.float32), n_live, upper, count)
+
+
+def stop_level(eps, delta, n_terms):
+  """``[...]`` log c of the per-split rule (see the module docstring)."""
+  dt = delta.dtype
+  margin = core.search_log_margin(n_terms, delta, dt)
+  t = (math.log(eps) if eps > 0 else -jnp.inf) - margin
+  log_c = t - jnp.log1p(-jnp.exp(t))
+  return jnp.maximum(log_c, _common.MASK_VALUE).astype(jnp.float32)
 
 
 def _kv_mask(mask, key):
@@ -140,274 +167,38 @@ def _kv_mask(mask, key):
   return jnp.broadcast_to(jnp.asarray(mask, bool)[:, None, :], key.shape[:3])
 
 
-def _score(q, k, v, kvm, carry, scale):
-  """Online-softmax step for one query: q [1, d], k [bk, d], v [bk, dv]."""
-  m_prev, l_prev, acc_prev = carry
-  s = (
-    jnp.sum(
-      k.astype(jnp.float32) * q.astype(jnp.float32), axis=1, keepdims=True
-    )
-    * scale
-  )  # [bk, 1]
-  valid = kvm != 0  # [bk, 1]
-  s = jnp.where(valid, s, _common.MASK_VALUE)
-  m_new = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))  # [1, 1]
-  p = jnp.where(valid, jnp.exp(s - m_new), 0.0)  # [bk, 1]
-  corr = jnp.exp(m_prev - m_new)
-  l_new = corr * l_prev + jnp.sum(p, axis=0, keepdims=True)
-  pv = jnp.sum(p * v.astype(jnp.float32), axis=0, keepdims=True)  # [1, dv]
-  return m_new, l_new, corr * acc_prev + pv
-
-
-def _stop(rest_j, m, ell, log_c):
-  """Delta-Search rule: remaining bound <= c * Z_s (all in log space)."""
-  log_z = m + jnp.log(jnp.maximum(ell, 1e-30))
-  return rest_j <= log_c + log_z
-
-
-def _tpu_kernel(
-  order_ref,
-  live_ref,
-  rest_ref,
-  q_ref,
-  k_ref,
-  v_ref,
-  kvm_ref,
-  acc_out,
-  m_out,
-  l_out,
-  n_out,
-  m_sc,
-  l_sc,
-  acc_sc,
-  st_sc,
-  *,
-  num_splits,
-  bps,
-  scale,
-  log_c,
-):
-  i, s, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  row = i * num_splits + s
-
-  @pl.when(j == 0)
-  def _init():
-    m_sc[...] = jnp.full(m_sc.shape, _common.MASK_VALUE, jnp.float32)
-    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-    st_sc[0] = 0  # positions scored
-    st_sc[1] = 0  # stopped
-
-  @pl.when((st_sc[1] == 0) & (j < live_ref[row]))
-  def _step():
-    m, ell, acc = _score(
-      q_ref[...],
-      k_ref[...],
-      v_ref[...],
-      kvm_ref[...],
-      (m_sc[...], l_sc[...], acc_sc[...]),
-      scale,
-    )
-    m_sc[...] = m
-    l_sc[...] = ell
-    acc_sc[...] = acc
-    st_sc[0] = j + 1
-    stop = _stop(rest_ref[row * bps + j], m[0, 0], ell[0, 0], log_c)
-    st_sc[1] = stop.astype(jnp.int32)
-
-  @pl.when(j == bps - 1)
-  def _out():
-    acc_out[...] = acc_sc[...]
-    m_out[...] = m_sc[...]
-    l_out[...] = l_sc[...]
-    n_out[...] = jnp.full(n_out.shape, st_sc[0], jnp.int32)
-
-
-def _gpu_kernel(
-  order_ref,
-  live_ref,
-  rest_ref,
-  q_ref,
-  k_ref,
-  v_ref,
-  kvm_ref,
-  acc_out,
-  m_out,
-  l_out,
-  n_out,
-  *,
-  bk,
-  scale,
-  log_c,
-):
-  q = q_ref[...]
-  dv = v_ref.shape[-1]
-  n_live = live_ref[0]
-
-  def cond(c):
-    j, stopped = c[0], c[1]
-    return (j < n_live) & (stopped == 0)
-
-  def body(c):
-    j, _, m, ell, acc = c
-    start = pl.multiple_of(order_ref[j] * bk, bk)
-    m, ell, acc = _score(
-      q,
-      k_ref[pl.ds(start, bk), :],
-      v_ref[pl.ds(start, bk), :],
-      kvm_ref[pl.ds(start, bk), :],
-      (m, ell, acc),
-      scale,
-    )
-    stop = _stop(rest_ref[j], jnp.max(m), jnp.max(ell), log_c)
-    return j + 1, stop.astype(jnp.int32), m, ell, acc
-
-  init = (
-    jnp.int32(0),
-    jnp.int32(0),
-    jnp.full((1, 1), _common.MASK_VALUE, jnp.float32),
-    jnp.zeros((1, 1), jnp.float32),
-    jnp.zeros((1, dv), jnp.float32),
-  )
-  j, _, m, ell, acc = lax.while_loop(cond, body, init)
-  acc_out[...] = acc
-  m_out[...] = m
-  l_out[...] = ell
-  n_out[...] = jnp.full(n_out.shape, j, jnp.int32)
-
-
-def _run_kernel(query, key, value, mask, pl_, cfg):
-  scale, bs, backend, interpret, eps = cfg
+def _run_kernel(query, key, value, mask, pl_, log_c, cfg):
+  scale, bs, backend, interpret = cfg
   b, h, d = query.shape
   hkv, n, dv = key.shape[1], key.shape[2], value.shape[3]
-  bk, ns = bs.block_k, bs.num_splits
-  bps = pl_.order.shape[-1]
-  eps_t = eps * _EPS_MARGIN
-  log_c = math.log(eps_t / (1 - eps_t)) if eps_t > 0 else -math.inf
-  log_c = max(log_c, _common.MASK_VALUE)
+  bk, ns = bs.block_k, pl_.order.shape[2]
   kp = _common.pad_to(key, 2, bk).reshape(b * hkv, -1, d)
   vp = _common.pad_to(value, 2, bk).reshape(b * hkv, -1, dv)
   n_p = kp.shape[1]
   kvm = _common.pad_to(_common.kv_mask_array(mask, b, n), 2, bk)
   kvm = kvm.reshape(b, n_p, 1)
-  q = query.reshape(b * h, 1, d)
-  order = pl_.order.reshape(b * h, ns, bps)
-  live = pl_.n_live.reshape(b * h, ns)
-  rest = pl_.rest.reshape(b * h, ns, bps)
-  out_shape = [
-    jax.ShapeDtypeStruct((b * h, ns, 1, dv), jnp.float32),
-    jax.ShapeDtypeStruct((b * h, ns, 1, 1), jnp.float32),
-    jax.ShapeDtypeStruct((b * h, ns, 1, 1), jnp.float32),
-    jax.ShapeDtypeStruct((b * h, ns, 1, 1), jnp.int32),
-  ]
-
-  def kv_row(i):
-    return _common.kv_row(i, h, hkv)
-
-  if backend == "tpu":
-
-    def kv_map(i, s, j, order_ref, *_):
-      return (kv_row(i), order_ref[(i * ns + s) * bps + j], 0)
-
-    def kvm_map(i, s, j, order_ref, *_):
-      return (lax.div(i, h), order_ref[(i * ns + s) * bps + j], 0)
-
-    def out_map(i, s, j, *_):
-      return (i, s, 0, 0)
-
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=3,
-      grid=(b * h, ns, bps),
-      in_specs=[
-        pl.BlockSpec((None, 1, d), lambda i, s, j, *_: (i, 0, 0)),
-        pl.BlockSpec((None, bk, d), kv_map),
-        pl.BlockSpec((None, bk, dv), kv_map),
-        pl.BlockSpec((None, bk, 1), kvm_map),
-      ],
-      out_specs=[
-        pl.BlockSpec((None, None, 1, dv), out_map),
-        pl.BlockSpec((None, None, 1, 1), out_map),
-        pl.BlockSpec((None, None, 1, 1), out_map),
-        pl.BlockSpec((None, None, 1, 1), out_map),
-      ],
-      scratch_shapes=[
-        pltpu.VMEM((1, 1), jnp.float32),
-        pltpu.VMEM((1, 1), jnp.float32),
-        pltpu.VMEM((1, dv), jnp.float32),
-        pltpu.SMEM((2,), jnp.int32),
-      ],
-    )
-    kernel = functools.partial(
-      _tpu_kernel, num_splits=ns, bps=bps, scale=scale, log_c=log_c
-    )
-    outs = pl.pallas_call(
-      kernel,
-      grid_spec=grid_spec,
-      out_shape=out_shape,
-      compiler_params=_common.compiler_params(
-        backend, ("parallel", "parallel", "arbitrary")
-      ),
-      interpret=interpret,
-      name="jaxtopk_certified_decode",
-    )(order.reshape(-1), live.reshape(-1), rest.reshape(-1), q, kp, vp, kvm)
-  else:
-    kernel = functools.partial(_gpu_kernel, bk=bk, scale=scale, log_c=log_c)
-    outs = pl.pallas_call(
-      kernel,
-      grid=(b * h, ns),
-      in_specs=[
-        pl.BlockSpec((None, None, bps), lambda i, s: (i, s, 0)),
-        pl.BlockSpec((None, 1), lambda i, s: (i, s)),
-        pl.BlockSpec((None, None, bps), lambda i, s: (i, s, 0)),
-        pl.BlockSpec((None, 1, d), lambda i, s: (i, 0, 0)),
-        pl.BlockSpec((None, n_p, d), lambda i, s: (kv_row(i), 0, 0)),
-        pl.BlockSpec((None, n_p, dv), lambda i, s: (kv_row(i), 0, 0)),
-        pl.BlockSpec((None, n_p, 1), lambda i, s: (lax.div(i, h), 0, 0)),
-      ],
-      out_specs=[
-        pl.BlockSpec((None, None, 1, dv), lambda i, s: (i, s, 0, 0)),
-        pl.BlockSpec((None, None, 1, 1), lambda i, s: (i, s, 0, 0)),
-        pl.BlockSpec((None, None, 1, 1), lambda i, s: (i, s, 0, 0)),
-        pl.BlockSpec((None, None, 1, 1), lambda i, s: (i, s, 0, 0)),
-      ],
-      out_shape=out_shape,
-      compiler_params=_common.compiler_params(backend, ()),
-      interpret=interpret,
-      name="jaxtopk_certified_decode",
-    )(order, live, rest, q, kp, vp, kvm)
-  acc, m, ell, n_scored = outs
+  o, m, ell, err, n_scored = _RUN[backend](
+    query.reshape(b * h, 1, d),
+    kp,
+    vp,
+    kvm,
+    pl_.order.reshape(b * h, ns, -1),
+    pl_.n_live.reshape(b * h, ns),
+    pl_.rest.reshape(b * h, ns, -1),
+    log_c.reshape(b * h),
+    heads=h,
+    kv_heads=hkv,
+    block_k=bk,
+    scale=scale,
+    interpret=interpret,
+  )
   return (
-    acc.reshape(b, h, ns, dv),
+    o.reshape(b, h, ns, dv),
     m.reshape(b, h, ns),
     ell.reshape(b, h, ns),
+    err.reshape(b, h, ns),
     n_scored.reshape(b, h, ns),
   )
-
-
-def merge_splits(acc, m, ell):
-  """Split-K merge of partial (acc, m, l): output and log Z_H.
-
-  Args:
-    acc: ``[..., S, dv]`` unnormalised sum_i e^{s_i - m_s} v_i per split.
-    m: ``[..., S]`` running max per split (MASK_VALUE when nothing scored).
-    ell: ``[..., S]`` sum_i e^{s_i - m_s} per split.
-
-  Returns:
-    (output ``[..., dv]`` float32, lse ``[...]``, -inf when nothing scored).
-  """
-  has = ell > 0
-  mm = jnp.max(jnp.where(has, m, -jnp.inf), axis=-1, keepdims=True)
-  mm_safe = jnp.where(jnp.isfinite(mm), mm, 0.0)
-  w = jnp.where(has, jnp.exp(m - mm_safe), 0.0)  # [..., S]
-  total = jnp.sum(w * ell, axis=-1)
-  o = jnp.sum(w[..., None] * acc, axis=-2)
-  o = jnp.where(
-    total[..., None] > 0, o / jnp.maximum(total, 1e-30)[..., None], 0.0
-  )
-  lse = jnp.where(
-    total > 0, mm_safe[..., 0] + jnp.log(jnp.maximum(total, 1e-30)), -jnp.inf
-  )
-  return o, lse
 
 
 def _scored_blocks(pl_, n_scored, nb):
@@ -418,35 +209,63 @@ def _scored_blocks(pl_, n_scored, nb):
   return jnp.any(onehot, axis=(2, 3))
 
 
-def _certify_decode(
-  query, out, lse, pl_, scored, box, value_norms, scale, block_k
-):
-  b, h, d = query.shape
-  g = h // box.kmin.shape[1]
+def block_value_norms(value, *, block_size: int, mask=None) -> jax.Array:
+  """``[b, h_kv, n_blocks]`` max ||v_j|| over each block's real keys.
+
+  ``core.value_norms`` (rounded up; NaN where a real value is not finite),
+  maximised per block; the bound a KVCache keeps incrementally.
+
+  Args:
+    value: ``[b, h_kv, kv_len, v_dim]``.
+    block_size: keys per block.
+    mask: optional ``[b, kv_len]`` bool, True for a real key.
+  """
+  b, hkv, n, _ = value.shape
+  v = _common.pad_to(value, 2, block_size)
+  nb = v.shape[2] // block_size
+  norms = core.value_norms(v).reshape(b, hkv, nb, block_size)
+  real = jnp.ones((b, n), bool) if mask is None else jnp.asarray(mask, bool)
+  real = _common.pad_to(real, 1, block_size, False).reshape(b, 1, nb, -1)
+  return core.max_norm(norms, real)
+
+
+def decode_certificate(out_parts, pl_, n_scored, value_norms, delta, n_terms):
+  """Output and Certificate of a split-K decode (``selection.core`` only).
+
+  Args:
+    out_parts: per split ``(o [b, h, S, dv], m, denom, err [b, h, S])``.
+    pl_: the DecodePlan.
+    n_scored: ``[b, h, S]`` positions each split scored.
+    value_norms: ``[b, h_kv, nb]`` block value norms.
+    delta: ``[b, h]`` logit rounding bound.
+    n_terms: keys plus blocks (for the sums' slack).
+
+  Returns:
+    ``(output [b, h, dv] float32, Certificate [b, h])``.
+  """
+  o, m, ell, err = out_parts
+  h = m.shape[1]
+  nb = pl_.upper.shape[-1]
+  g = h // value_norms.shape[1]
+  scored = _scored_blocks(pl_, n_scored, nb)  # [b, h, nb]
   cnt = pl_.count
-  has = cnt > 0
-  tail = has & ~scored
-  absmax = jnp.maximum(jnp.abs(box.kmin), jnp.abs(box.kmax))
-  slack = _common.logit_slack(query[:, :, None, :], absmax, scale=scale)[
-    :, :, 0
-  ]  # [b, h, nb]
-  head_slack = jnp.max(jnp.where(scored & has, slack, 0.0), axis=-1)
-  k_kept = jnp.sum(jnp.where(scored, cnt, 0), axis=-1)
   vnorm = jnp.repeat(value_norms, g, axis=1)  # [b, h, nb]
-  tail_v = jnp.max(jnp.where(tail, vnorm, 0.0), axis=-1)
-  log_terms = jnp.log(jnp.maximum(cnt, 1).astype(jnp.float32)) + pl_.upper
-  return _certify.certificate(
-    log_head=lse,
-    head_slack=head_slack,
-    log_tail_terms=log_terms,
-    tail_present=tail,
-    k_kept=k_kept,
-    keys_scored=k_kept,
-    n_terms=cnt.shape[-1] * (block_k + 1),
-    out_norm=jnp.sqrt(jnp.sum(out.astype(jnp.float32) ** 2, axis=-1)),
-    tail_value_norm=tail_v,
-    out_dtype=query.dtype,
+  parts = core.Partial.from_stats(
+    m, ell, o=o, err=err, logit_error=delta[..., None]
   )
+  head = core.Partial.reduce(parts, -1)
+  k_kept = jnp.sum(jnp.where(scored, cnt, 0), axis=-1)
+  head = dataclasses.replace(
+    head,
+    k_kept=k_kept.astype(jnp.int32),
+    keys_scored=k_kept.astype(jnp.int32),
+    head_norm=core.max_norm(vnorm, scored & (cnt > 0)),
+    tail_norm=jnp.zeros_like(head.m),
+  )
+  unscored = ~scored & (cnt > 0)
+  log_terms = pl_.upper + jnp.log(jnp.maximum(cnt, 1).astype(jnp.float32))
+  part = head.add_tail(log_terms, unscored, norms=vnorm)
+  return part.finalize(n_terms=n_terms)
 
 
 def _check(query, key, value, eps):
@@ -457,9 +276,36 @@ def _check(query, key, value, eps):
     raise ValueError(f"{eps=} must be in [0, 1)")
 
 
+def _summaries(query, key, mask, summary, scale, block_k):
+  """(box, delta ``[b, h]``) for a query over the cache."""
+  if summary is None:
+    summary = theory.box_summary(
+      key, block_size=block_k, mask=_kv_mask(mask, key)
+    )
+  count = jnp.broadcast_to(summary.count, summary.kmin.shape[:3])
+  absmax = jnp.maximum(jnp.abs(summary.kmin), jnp.abs(summary.kmax))
+  # The box does not say whether a key has subnormal components (only its
+  # extremes are stored): assume it may (a term of sqrt(d) tiny ||q||).
+  keys = _common.KeySummary(
+    absmax=absmax,
+    norm=core.norms_up(absmax),
+    flushed=jnp.ones(count.shape, bool),
+    count=count,
+  )
+  delta = _common.logit_error(query[:, :, None, :], keys, scale=scale)
+  return summary, delta[..., 0]
+
+
 @functools.partial(
   jax.jit,
-  static_argnames=("eps", "scale", "block_sizes", "backend", "interpret"),
+  static_argnames=(
+    "eps",
+    "scale",
+    "max_blocks",
+    "block_sizes",
+    "backend",
+    "interpret",
+  ),
 )
 def certified_decode(
   query,
@@ -471,6 +317,7 @@ def certified_decode(
   scale: float | None = None,
   summary: theory.BoxSummary | None = None,
   value_norms=None,
+  max_blocks: int | None = None,
   block_sizes: BlockSizes | None = None,
   backend: str | None = None,
   interpret: bool = False,
@@ -492,42 +339,63 @@ def certified_decode(
       each), e.g. kept incrementally by a KVCache; computed from ``key``
       (one pass over the keys) when None.
     value_norms: optional ``[batch, kv_heads, n_blocks]`` upper bounds on
-      the value norms per block; computed from ``value`` when None.
+      the value norms per block (``block_value_norms``); computed from
+      ``value`` when None.
+    max_blocks: optional cap on the blocks scored per row (needs
+      ``num_splits = 1``): the kept set is at most ``max_blocks * block_k``
+      keys, and the certificate reports the true bound.
     block_sizes: cache block size and number of splits.
     backend: 'tpu' or 'gpu' grid style; None picks by platform.
     interpret: Pallas interpret mode (CPU).
 
   Returns:
     (output ``[b, h, v_dim]`` in the query dtype, Certificate ``[b, h]``;
-    keys_scored = k_kept = keys in the scored blocks).
+    keys_scored = k_kept = keys in the scored blocks; zeros and an invalid
+    certificate on a row with no real key).
+
+  Raises:
+    ValueError: bad shapes, eps outside [0, 1), ``max_blocks`` with several
+      splits.
   """
   _check(query, key, value, eps)
   bs = block_sizes or BlockSizes.get_default()
+  if max_blocks is not None and (max_blocks < 1 or bs.num_splits != 1):
+    raise ValueError(
+      f"{max_blocks=} must be >= 1 and needs num_splits=1; got"
+      f" num_splits={bs.num_splits}"
+    )
   d = query.shape[-1]
   scale = float(d**-0.5 if scale is None else scale)
   backend = _common.resolve_backend(backend)
-  if summary is None:
-    summary = theory.box_summary(
-      key, block_size=bs.block_k, mask=_kv_mask(mask, key)
-    )
+  sq = jax.lax.stop_gradient(query)
+  box, delta = _summaries(sq, key, mask, summary, scale, bs.block_k)
   if value_norms is None:
-    value_norms = _certify.block_value_norms(
-      value, block_size=bs.block_k, mask=mask
-    )
-  pl_ = plan(query, summary, scale=scale, num_splits=bs.num_splits)
-  acc, m, ell, n_scored = _run_kernel(
-    query, key, value, mask, pl_, (scale, bs, backend, interpret, eps)
+    value_norms = block_value_norms(value, block_size=bs.block_k, mask=mask)
+  if mask is not None:  # a masked value is never read, even as 0 * NaN
+    value = jnp.where(jnp.asarray(mask, bool)[:, None, :, None], value, 0)
+  pl_ = plan(
+    sq,
+    box,
+    scale=scale,
+    num_splits=bs.num_splits,
+    delta=delta,
+    max_blocks=max_blocks,
   )
-  out, lse = merge_splits(acc, m, ell)
   nb = pl_.upper.shape[-1]
-  scored = _scored_blocks(pl_, n_scored, nb)
-  cert = _certify_decode(
-    query, out, lse, pl_, scored, summary, value_norms, scale, bs.block_k
+  n_terms = key.shape[2] + nb
+  log_c = stop_level(eps, delta, n_terms)
+  o, m, ell, err, n_scored = _run_kernel(
+    query, key, value, mask, pl_, log_c, (scale, bs, backend, interpret)
+  )
+  out, cert = decode_certificate(
+    (o, m, ell, err), pl_, n_scored, value_norms, delta, n_terms
   )
   return out.astype(query.dtype), cert
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "scale", "block_sizes"))
+@functools.partial(
+  jax.jit, static_argnames=("eps", "scale", "max_blocks", "block_sizes")
+)
 def certified_decode_reference(
   query,
   key,
@@ -536,6 +404,7 @@ def certified_decode_reference(
   eps: float,
   mask=None,
   scale=None,
+  max_blocks: int | None = None,
   block_sizes: BlockSizes | None = None,
 ):
   """Pure-jnp ``certified_decode``: same plan, stopping rule and merge.
@@ -550,8 +419,15 @@ def certified_decode_reference(
   hkv, n = key.shape[1], key.shape[2]
   scale = float(d**-0.5 if scale is None else scale)
   bk = bs.block_k
-  box = theory.box_summary(key, block_size=bk, mask=_kv_mask(mask, key))
-  pl_ = plan(query, box, scale=scale, num_splits=bs.num_splits)
+  box, delta = _summaries(query, key, mask, None, scale, bk)
+  pl_ = plan(
+    query,
+    box,
+    scale=scale,
+    num_splits=bs.num_splits,
+    delta=delta,
+    max_blocks=max_blocks,
+  )
   kk = jnp.repeat(key, h // hkv, axis=1).astype(jnp.float32)
   vv = jnp.repeat(value, h // hkv, axis=1).astype(jnp.float32)
   s = (
@@ -570,15 +446,14 @@ def certified_decode_reference(
   blk_lse = logsumexp(
     s_p.reshape(b, h, nb, bk), axis=-1, where=v_p.reshape(b, h, nb, bk)
   )  # [b, h, nb]
-  eps_t = eps * _EPS_MARGIN
-  log_c = math.log(eps_t / (1 - eps_t)) if eps_t > 0 else -math.inf
+  log_c = stop_level(eps, delta, n + nb)
   ord_lse = jnp.take_along_axis(
     blk_lse[:, :, None, :], pl_.order, axis=-1
   )  # [b, h, S, bps]
   pos = jnp.arange(pl_.order.shape[-1])
   live = pos < pl_.n_live[..., None]
   cum = lax.cumlogsumexp(jnp.where(live, ord_lse, -jnp.inf), axis=3)
-  stop = (pl_.rest <= log_c + cum) & live
+  stop = (pl_.rest <= log_c[..., None, None] + cum) & live
   first = jnp.where(jnp.any(stop, -1), jnp.argmax(stop, -1) + 1, pl_.n_live)
   scored = _scored_blocks(pl_, first, nb)
   keep = jnp.repeat(scored, bk, axis=-1)[..., :n] & valid

@@ -39,12 +39,15 @@ class BlockSelection:
 
 
 @functools.partial(jax.jit, static_argnames=("eps",))
-def per_query_kept(lse, *, eps: float) -> jax.Array:
+def per_query_kept(lse, *, eps: float, log_margin=None) -> jax.Array:
   """``[..., n_blocks]`` bool: fewest blocks by mass with dropped <= eps.
 
   Args:
     lse: ``[..., n_blocks]`` block log-masses (-inf for empty blocks).
     eps: dropped-mass budget in [0, 1).
+    log_margin: optional ``[...]`` log-space margin to aim below eps by
+      (``core.search_log_margin``: the certificate's rounding slack);
+      +inf keeps every block with mass.
 
   Returns:
     Kept mask; every block with mass is kept when eps == 0.
@@ -61,6 +64,8 @@ def per_query_kept(lse, *, eps: float) -> jax.Array:
     [suffix[..., 1:], jnp.full_like(suffix[..., :1], -jnp.inf)], axis=-1
   )  # log mass dropped if sorted blocks 0..j are kept
   log_eps = jnp.log(eps) if eps > 0 else -jnp.inf
+  if log_margin is not None:
+    log_eps = log_eps - jnp.asarray(log_margin, lse.dtype)[..., None]
   ok = after <= log_eps
   n_keep = jnp.argmax(ok, axis=-1) + 1  # first j that satisfies the budget
   n_keep = jnp.where(jnp.isfinite(srt[..., 0]), n_keep, 0)
@@ -70,7 +75,12 @@ def per_query_kept(lse, *, eps: float) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("eps", "block_q", "max_blocks"))
 def select_blocks(
-  lse, *, eps: float, block_q: int, max_blocks: int | None = None
+  lse,
+  *,
+  eps: float,
+  block_q: int,
+  max_blocks: int | None = None,
+  log_margin=None,
 ) -> BlockSelection:
   """Certified block lists per query tile from exact block masses.
 
@@ -79,6 +89,8 @@ def select_blocks(
     eps: per-query dropped-mass budget in [0, 1).
     block_q: queries per tile of the sparse kernel.
     max_blocks: optional static cap on kept blocks per tile.
+    log_margin: optional ``[b, h, q_len]`` margin below log eps
+      (``per_query_kept``).
 
   Returns:
     BlockSelection with ``max_kept = min(max_blocks, n_blocks)``.
@@ -86,7 +98,7 @@ def select_blocks(
   if max_blocks is not None and max_blocks < 1:
     raise ValueError(f"{max_blocks=} must be >= 1 or None")
   b, h, nq, nb = lse.shape
-  keep_q = per_query_kept(lse, eps=eps)  # [b, h, q, nb]
+  keep_q = per_query_kept(lse, eps=eps, log_margin=log_margin)
   share = lse - logsumexp(lse, axis=-1, keepdims=True)
   share = jnp.where(jnp.isfinite(lse), share, -jnp.inf)
   keep_q = _common.pad_to(keep_q, 2, block_q, False)

@@ -2,9 +2,11 @@
 
 Each query tile attends to the key blocks listed for it (``BlockSelection``
 from ``select_blocks``): keys outside the list are never read and never
-multiplied. Online softmax in float32 (FlashAttention-2), returning the
-output and the log-sum-exp of the kept logits, log Z_H, from which the
-certificate's head mass comes.
+multiplied. Online softmax in float32 (FlashAttention-2) by the certificate
+core's ``online_step``: the output stays normalised (a convex combination
+of kept values, so values near the largest float do not overflow) and the
+kernel returns the kept keys' (max, sum, rounding) statistics, the head of
+the certificate (``sparse_flash_stats``), and their log-sum-exp log Z_H.
 
 TPU: block lists are scalar-prefetched and drive the K/V BlockSpec index
 maps (grid axis over list positions, ``pl.when`` skips padding entries,
@@ -32,6 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxtopk.kernels import _block_stats
 from jaxtopk.kernels import _common
+from jaxtopk.selection import core
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +55,18 @@ class BlockSizes:
 
 
 def _block_update(q, k, v, kvm, blk, qi, carry, *, scale, causal, bq, bk):
-  """One online-softmax step over key block ``blk``; carry (m, l, acc)."""
-  m_prev, l_prev, acc_prev = carry
+  """One online-softmax step over key block ``blk``; carry (m, l, o, err).
+
+  ``core.online_step``: o stays normalised (a convex combination of the
+  kept values: values near the largest float do not overflow) and ``err``
+  tracks the rounding of l for the certificate.
+  """
   s = lax.dot_general(
-    q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    q,
+    k,
+    (((1,), (1,)), ((), ())),
+    preferred_element_type=jnp.float32,
+    precision=_common.PRECISION,
   )  # [bq, bk]
   s = s * scale
   valid = kvm != 0  # [1, bk]
@@ -65,20 +76,32 @@ def _block_update(q, k, v, kvm, blk, qi, carry, *, scale, causal, bq, bk):
     valid = valid & (kpos <= qpos)
   else:
     valid = jnp.broadcast_to(valid, (bq, bk))
-  s = jnp.where(valid, s, _common.MASK_VALUE)
-  m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 1]
-  p = jnp.where(valid, jnp.exp(s - m_new), 0.0)  # [bq, bk]
-  corr = jnp.exp(m_prev - m_new)
-  l_new = corr * l_prev + jnp.sum(p, axis=1, keepdims=True)
-  pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return m_new, l_new, corr * acc_prev + pv  # acc [bq, dv]
+
+  def pv(p):
+    return jnp.dot(
+      p.astype(v.dtype),
+      v,
+      preferred_element_type=jnp.float32,
+      precision=_common.PRECISION,
+    )
+
+  return core.online_step(*carry, s, valid, pv, mask_value=_common.MASK_VALUE)
 
 
-def _finish(m, ell, acc, o_ref, lse_ref):
-  has = ell > 0
-  safe = jnp.where(has, ell, 1.0)
-  o_ref[...] = jnp.where(has, acc / safe, 0.0).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(has, m + jnp.log(safe), _common.MASK_VALUE)
+def _init(bq, dv):
+  return (
+    jnp.full((bq, 1), _common.MASK_VALUE, jnp.float32),
+    jnp.zeros((bq, 1), jnp.float32),
+    jnp.zeros((bq, dv), jnp.float32),
+    jnp.zeros((bq, 1), jnp.float32),
+  )
+
+
+def _finish(m, ell, o, err, o_ref, m_ref, l_ref, e_ref):
+  o_ref[...] = o.astype(o_ref.dtype)
+  m_ref[...] = m
+  l_ref[...] = ell
+  e_ref[...] = err
 
 
 def _tpu_kernel(
@@ -89,10 +112,13 @@ def _tpu_kernel(
   v_ref,
   kvm_ref,
   o_ref,
-  lse_ref,
+  m_ref,
+  l_ref,
+  e_ref,
   m_sc,
   l_sc,
-  acc_sc,
+  o_sc,
+  e_sc,
   *,
   nqt,
   max_kept,
@@ -102,35 +128,50 @@ def _tpu_kernel(
   row = i * nqt + qi
 
   @pl.when(j == 0)
-  def _init():
-    m_sc[...] = jnp.full(m_sc.shape, _common.MASK_VALUE, jnp.float32)
-    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+  def _init_scratch():
+    m0, l0, o0, e0 = _init(m_sc.shape[0], o_sc.shape[1])
+    m_sc[...] = m0
+    l_sc[...] = l0
+    o_sc[...] = o0
+    e_sc[...] = e0
 
   @pl.when(j < cnt_ref[row])
   def _step():
     blk = idx_ref[row * max_kept + j]
-    m, ell, acc = _block_update(
+    m, ell, o, err = _block_update(
       q_ref[...],
       k_ref[...],
       v_ref[...],
       kvm_ref[...],
       blk,
       qi,
-      (m_sc[...], l_sc[...], acc_sc[...]),
+      (m_sc[...], l_sc[...], o_sc[...], e_sc[...]),
       **kw,
     )
     m_sc[...] = m
     l_sc[...] = ell
-    acc_sc[...] = acc
+    o_sc[...] = o
+    e_sc[...] = err
 
   @pl.when(j == max_kept - 1)
   def _out():
-    _finish(m_sc[...], l_sc[...], acc_sc[...], o_ref, lse_ref)
+    _finish(
+      m_sc[...], l_sc[...], o_sc[...], e_sc[...], o_ref, m_ref, l_ref, e_ref
+    )
 
 
 def _gpu_kernel(
-  idx_ref, cnt_ref, q_ref, k_ref, v_ref, kvm_ref, o_ref, lse_ref, **kw
+  idx_ref,
+  cnt_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  kvm_ref,
+  o_ref,
+  m_ref,
+  l_ref,
+  e_ref,
+  **kw,
 ):
   qi = pl.program_id(1)
   bq, bk = kw["bq"], kw["bk"]
@@ -145,13 +186,8 @@ def _gpu_kernel(
     kvm = kvm_ref[:, pl.ds(start, bk)]
     return _block_update(q, k, v, kvm, blk, qi, carry, **kw)
 
-  init = (
-    jnp.full((bq, 1), _common.MASK_VALUE, jnp.float32),
-    jnp.zeros((bq, 1), jnp.float32),
-    jnp.zeros((bq, dv), jnp.float32),
-  )
-  m, ell, acc = lax.fori_loop(0, cnt_ref[0], body, init)
-  _finish(m, ell, acc, o_ref, lse_ref)
+  m, ell, o, err = lax.fori_loop(0, cnt_ref[0], body, _init(bq, dv))
+  _finish(m, ell, o, err, o_ref, m_ref, l_ref, e_ref)
 
 
 def _forward(q, k, v, block_idx, block_count, mask, cfg):
@@ -174,10 +210,8 @@ def _forward(q, k, v, block_idx, block_count, mask, cfg):
   idx = block_idx.astype(jnp.int32).reshape(b * h, nqt, max_kept)
   cnt = block_count.astype(jnp.int32).reshape(b * h, nqt)
   kw = dict(scale=scale, causal=is_causal, bq=bq, bk=bk)
-  out_shape = [
-    jax.ShapeDtypeStruct((b * h, nq_p, dv), q.dtype),
-    jax.ShapeDtypeStruct((b * h, nq_p, 1), jnp.float32),
-  ]
+  stat = jax.ShapeDtypeStruct((b * h, nq_p, 1), jnp.float32)
+  out_shape = [jax.ShapeDtypeStruct((b * h, nq_p, dv), q.dtype)] + [stat] * 3
 
   def kv_row(i):
     return _common.kv_row(i, h, hkv)
@@ -201,16 +235,17 @@ def _forward(q, k, v, block_idx, block_count, mask, cfg):
       ],
       out_specs=[
         pl.BlockSpec((None, bq, dv), lambda i, qi, j, *_: (i, qi, 0)),
-        pl.BlockSpec((None, bq, 1), lambda i, qi, j, *_: (i, qi, 0)),
-      ],
+      ]
+      + [pl.BlockSpec((None, bq, 1), lambda i, qi, j, *_: (i, qi, 0))] * 3,
       scratch_shapes=[
         pltpu.VMEM((bq, 1), jnp.float32),
         pltpu.VMEM((bq, 1), jnp.float32),
         pltpu.VMEM((bq, dv), jnp.float32),
+        pltpu.VMEM((bq, 1), jnp.float32),
       ],
     )
     kernel = functools.partial(_tpu_kernel, nqt=nqt, max_kept=max_kept, **kw)
-    o, lse = pl.pallas_call(
+    o, m, ell, err = pl.pallas_call(
       kernel,
       grid_spec=grid_spec,
       out_shape=out_shape,
@@ -222,7 +257,7 @@ def _forward(q, k, v, block_idx, block_count, mask, cfg):
     )(idx.reshape(-1), cnt.reshape(-1), qp, kp, vp, kvm)
   else:
     kernel = functools.partial(_gpu_kernel, **kw)
-    o, lse = pl.pallas_call(
+    o, m, ell, err = pl.pallas_call(
       kernel,
       grid=(b * h, nqt),
       in_specs=[
@@ -233,19 +268,19 @@ def _forward(q, k, v, block_idx, block_count, mask, cfg):
         pl.BlockSpec((None, nk_p, dv), lambda i, qi: (kv_row(i), 0, 0)),
         pl.BlockSpec((None, 1, nk_p), lambda i, qi: (lax.div(i, h), 0, 0)),
       ],
-      out_specs=[
-        pl.BlockSpec((None, bq, dv), lambda i, qi: (i, qi, 0)),
-        pl.BlockSpec((None, bq, 1), lambda i, qi: (i, qi, 0)),
-      ],
+      out_specs=[pl.BlockSpec((None, bq, dv), lambda i, qi: (i, qi, 0))]
+      + [pl.BlockSpec((None, bq, 1), lambda i, qi: (i, qi, 0))] * 3,
       out_shape=out_shape,
       compiler_params=_common.compiler_params(backend, ()),
       interpret=interpret,
       name="jaxtopk_sparse_flash",
     )(idx, cnt, qp, kp, vp, kvm)
   o = o.reshape(b, h, nq_p, dv)[:, :, :nq]
-  lse = lse.reshape(b, h, nq_p)[:, :, :nq]
-  lse = jnp.where(lse <= 0.5 * _common.MASK_VALUE, -jnp.inf, lse)
-  return o, lse
+  m, ell, err = (x.reshape(b, h, nq_p)[:, :, :nq] for x in (m, ell, err))
+  has = ell > 0
+  m = jnp.where(has, m, -jnp.inf)
+  lse = jnp.where(has, m + jnp.log(jnp.where(has, ell, 1.0)), -jnp.inf)
+  return o, lse, FlashStats(m=m, denom=ell, err=err)
 
 
 @functools.partial(
@@ -317,6 +352,67 @@ def sparse_flash_attention_reference(
   p = jnp.where(keep, jnp.exp(s - jnp.where(has, lse, 0.0)[..., None]), 0.0)
   o = jnp.einsum("bhqk,bhkd->bhqd", p, vv, precision=lax.Precision.HIGHEST)
   return o.astype(query.dtype), lse
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("scale", "is_causal", "block_q", "block_k"),
+)
+def sparse_flash_stats_reference(
+  query,
+  key,
+  value,
+  block_idx,
+  block_count,
+  *,
+  mask=None,
+  scale=None,
+  is_causal=False,
+  block_q: int = 128,
+  block_k: int = 128,
+):
+  """Pure-jnp ``sparse_flash_stats`` (``core.Partial.from_logits``).
+
+  Returns:
+    (output, lse, FlashStats) as ``sparse_flash_stats``.
+  """
+  o, lse = sparse_flash_attention_reference(
+    query,
+    key,
+    value,
+    block_idx,
+    block_count,
+    mask=mask,
+    scale=scale,
+    is_causal=is_causal,
+    block_q=block_q,
+    block_k=block_k,
+  )
+  b, h, nq, d = query.shape
+  hkv, nk = key.shape[1], key.shape[2]
+  scale = d**-0.5 if scale is None else scale
+  kk = jnp.repeat(key, h // hkv, axis=1).astype(jnp.float32)
+  s = (
+    jnp.einsum(
+      "bhqd,bhkd->bhqk",
+      query.astype(jnp.float32),
+      kk,
+      precision=lax.Precision.HIGHEST,
+    )
+    * scale
+  )  # [b, h, q, s]
+  vis = _block_stats.visible_mask(b, nq, nk, mask, is_causal)
+  keep = vis & kept_key_mask(
+    block_idx,
+    block_count,
+    q_len=nq,
+    kv_len=nk,
+    block_q=block_q,
+    block_k=block_k,
+  )
+  part = core.Partial.from_logits(jax.lax.stop_gradient(s), keep, keep)
+  stats = FlashStats(m=part.m, denom=part.denom, err=part.err)
+  return o, lse, stats
 
 
 def gathered_attention(
@@ -421,7 +517,9 @@ def _bwd(cfg, res, cts):
     )
 
   _, vjp = jax.vjp(ref, q, k, v)
-  d_o, d_lse = cts
+  # The statistics (m, denom, err) feed certificates, which are computed on
+  # stop-gradient values: their cotangents are not propagated.
+  d_o, d_lse, _ = cts
   # -inf lse rows have no kept key: their cotangent cannot flow anywhere.
   d_lse = jnp.where(jnp.isfinite(d_lse), d_lse, 0.0)
   dq, dk, dv = vjp((d_o, d_lse))
@@ -429,6 +527,53 @@ def _bwd(cfg, res, cts):
 
 
 _sparse_flash.defvjp(_fwd, _bwd)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FlashStats:
+  """Softmax statistics of the kept keys of each query (for certificates).
+
+  Attributes:
+    m: ``[b, h, q]`` max kept logit (-inf where nothing is kept).
+    denom: ``[b, h, q]`` sum over kept keys of e^{s - m} (0 if none).
+    err: ``[b, h, q]`` rounding of ``denom`` in eps units
+      (``core.online_step``), for ``core.Partial.from_stats``.
+  """
+
+  m: jax.Array
+  denom: jax.Array
+  err: jax.Array
+
+
+def sparse_flash_stats(
+  query,
+  key,
+  value,
+  block_idx,
+  block_count,
+  *,
+  mask=None,
+  scale: float,
+  is_causal: bool = False,
+  block_sizes: BlockSizes,
+  backend: str | None = None,
+  interpret: bool = False,
+):
+  """``sparse_flash_attention`` that also returns the kept keys' statistics.
+
+  Same arguments. Returns ``(output, lse, FlashStats)``; gradients flow
+  through the output and lse (not through the statistics).
+  """
+  _common.check_head_major(query, key, value)
+  cfg = (
+    float(scale),
+    bool(is_causal),
+    block_sizes,
+    _common.resolve_backend(backend),
+    bool(interpret),
+  )
+  return _sparse_flash(query, key, value, block_idx, block_count, mask, cfg)
 
 
 @functools.partial(
@@ -473,14 +618,19 @@ def sparse_flash_attention(
     (output ``[b, h, q, v_dim]`` in the query dtype, lse ``[b, h, q]``
     float32; -inf lse and zero output where no real key is kept).
   """
-  _common.check_head_major(query, key, value)
   bs = block_sizes or BlockSizes.get_default()
   d = query.shape[-1]
-  cfg = (
-    float(d**-0.5 if scale is None else scale),
-    bool(is_causal),
-    bs,
-    _common.resolve_backend(backend),
-    bool(interpret),
+  o, lse, _ = sparse_flash_stats(
+    query,
+    key,
+    value,
+    block_idx,
+    block_count,
+    mask=mask,
+    scale=float(d**-0.5 if scale is None else scale),
+    is_causal=is_causal,
+    block_sizes=bs,
+    backend=backend,
+    interpret=interpret,
   )
-  return _sparse_flash(query, key, value, block_idx, block_count, mask, cfg)
+  return o, lse

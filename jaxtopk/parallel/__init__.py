@@ -12,6 +12,7 @@ program as several processes on one machine over gloo CPU collectives
 
 from jaxtopk.parallel._compat import shard_map
 from jaxtopk.parallel._decode import cache_shardings
+from jaxtopk.parallel._decode import decode_shard_attention
 from jaxtopk.parallel._decode import sharded_decode_attention
 from jaxtopk.parallel._global_select import global_certified_keep
 from jaxtopk.parallel._global_select import global_topk_keep

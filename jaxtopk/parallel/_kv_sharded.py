@@ -5,48 +5,41 @@ every row is split into contiguous slices, one per shard of a mapped axis
 (``kv`` of a mesh under shard_map, or a vmap axis in tests). Per row, each
 shard:
 
-1. scores its keys, s_i = scale * q.k_i (float32, HIGHEST precision so that a
-   TPU does not use bf16 passes), and takes part in one ``pmax`` of (its max
-   logit, its max key norm, a non-finite flag): the global max M;
-2. takes part in the global selection (``_global_select``): exact global
+1. scores its keys, s_i = scale q.k_i (+ bias_i) in the compute dtype
+   (HIGHEST precision, so that a TPU does not use bf16 passes; the
+   certificate assumes full-precision products);
+2. takes part in one ``pmax`` of its key summaries (largest key norm,
+   per-dimension |k| maxima, subnormal flags, largest |bias|) from which
+   ``core.logit_error_bound`` bounds the rounding of EVERY logit of the row,
+   and of its max logit and non-finite flag;
+3. takes part in the global selection (``_global_select``): exact global
    top-k for count policies, a global-eps threshold for ``Certified``;
-3. returns its partial softmax statistics over its KEPT keys relative to M,
-   o = sum_H exp(s_i - M) v_i and l = sum_H exp(s_i - M), and the log of its
-   DROPPED mass lse_T = log sum_T exp(s_i) (log space, so a shard whose keys
-   all sit far below M still reports a positive tail, not an underflowed 0).
+4. summarises its keys as a ``core.Partial`` (normalised output over its
+   kept keys, head and tail masses with their own maxima, counts, value
+   norms).
 
-One ``psum`` of (o, l, counts) and one ``all_gather`` of the per-shard
-lse_T (a few floats per row) merge them. The output o / l is exactly the
-single-device Top-k output over the union of kept keys (l >= 1: the global
-max is always kept). The global certificate is
+One ``all_gather`` of the shards' Partials (``v_dim`` + 11 numbers per row
+and shard) and ``core.Partial.reduce`` merge them, and ``finalize`` gives
+the output and the GLOBAL certificate (THEORY 2.1: the dropped mass of the
+whole row over its whole partition function). Nothing is estimated: every
+sum is a sum of the shards' own sums, so the certificate is sound whatever
+the selection decided, and equals the single-device one up to rounding.
 
-  log tau <= lse_T - logaddexp(lse_T, M + log l) + 2 E + 2 slack(n),
-
-the global dropped mass over the global partition function (THEORY 2.1;
-tau = Z_T / (Z_T + Z_H) by 2.4). It is sound because each term is a sum of
-the shards' own exact sums: Z_T = sum over shards of Z_T(shard), Z_H
-likewise, with nothing estimated. ``slack(n)`` is the float rounding of those
-sums (``theory._tail.log_slack``); E bounds the float32 rounding of the
-logits themselves, |s~_i - s_i| <= (d + 2) eps32 scale sum_c |q_c k_ic| <=
-(d + 2) eps32 scale ||q|| max_i ||k_i|| (Cauchy-Schwarz), doubled to cover
-the norms' own rounding; the tail can be e^E larger and the head e^E
-smaller than computed, hence 2 E.
-
-The output-error bound is THEORY 4.2 with 4.4: ||Attn - Attn_k|| <= tau
-(||mu_head|| + max_T ||v_j||) <= tau (max_H ||v_j|| + max_T ||v_j||), with tau
-replaced by its bound and both maxima merged by one pmax (as
-``selection._certify.output_error_bound``).
+Policies: Dense, FixedK, Ratio, PowerLaw (per-row count over the row's real
+keys) and ``Certified`` with the exact search (every logit is computed here)
+and ``max_topk``. Delta- and MC-Search skip key blocks by their summaries,
+which this path does not keep: ``Certified(..., search='delta' | 'mc')`` is
+refused by name (``UnsupportedPolicyError``), never silently run as exact.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.special import logsumexp
 from jax.sharding import PartitionSpec as P
 
+from jaxtopk.attention import checks
 from jaxtopk.parallel import _compat
 from jaxtopk.parallel import _global_select
 from jaxtopk.parallel import _mesh
@@ -54,46 +47,85 @@ from jaxtopk.selection import Certificate
 from jaxtopk.selection import Certified
 from jaxtopk.selection import Dense
 from jaxtopk.selection import Policy
-from jaxtopk.selection import _certify
-from jaxtopk.selection import _select as _select_lib
-from jaxtopk.theory import _tail
+from jaxtopk.selection import capabilities
+from jaxtopk.selection import core
 
 _HIGHEST = lax.Precision.HIGHEST
 
+# What the KV-sharded paths honour (every other policy field is refused).
+SUPPORTS = capabilities(
+  "policy=Dense",
+  "policy=FixedK",
+  "policy=Ratio",
+  "policy=PowerLaw",
+  "policy=Certified",
+  "search=exact",
+  "max_topk",
+)
 
-def _select(s, valid, row_max, log_err, n_valid, *, policy, n_total, axis_name):
-  """The policy's global kept set, as this shard's local mask.
 
-  Count policies use ``selection.count_kept`` over each row's real keys
-  (``n_valid``, global), as ``jaxtopk.topk_attention`` does.
-  """
+def _select(s, real, row_max, delta, n_real, *, policy, n_total, axis_name):
+  """The policy's global kept set, as this shard's local mask."""
   if isinstance(policy, Dense):
-    return valid
+    return real
   if isinstance(policy, Certified):
-    # 'delta' and 'mc' score only part of a row; with every logit already
-    # computed here they fall back to the exact search, as topk_attention
-    # does in prefill (keys_scored then says every key was scored).
+    # Aim below log eps by the margin the finished certificate adds (its
+    # slacks and 2 delta) and the histogram's own rounding.
     dt = s.dtype
-    # Reserve room for the rounding that the certificate adds (2 E + 2 slack)
-    # and for the histogram's own rounding (2 more slacks).
-    slack = _tail.log_slack(n_total, dt)
-    log_budget = jnp.log(jnp.asarray(policy.eps, dt)) - log_err - 4 * slack
+    margin = core.search_log_margin(n_total, delta, dt)
+    log_budget = jnp.log(jnp.asarray(policy.eps, dt)) - margin
     keep = _global_select.global_certified_keep(
-      s, valid, row_max, log_budget, n_total=n_total, axis_name=axis_name
+      s, real, row_max, log_budget, n_total=n_total, axis_name=axis_name
     )
     if policy.max_topk is not None and policy.max_topk < n_total:
       capped = _global_select.global_topk_keep(
-        s, valid, topk=policy.max_topk, axis_name=axis_name
+        s, real, topk=policy.max_topk, axis_name=axis_name
       )
       n_keep = _global_select.psum(jnp.sum(keep, -1), axis_name)
       keep = jnp.where((n_keep > policy.max_topk)[..., None], capped, keep)
     return keep
-  topk = policy.num_kept(n_total)
-  if topk is None:
-    raise ValueError(f"{policy=} gives no static number of kept keys")
-  row_topk = _select_lib.count_kept(policy, n_valid, n_total)
+  row_topk = policy.row_num_kept(n_real, n_total)
   return _global_select.global_topk_keep(
-    s, valid, topk=topk, axis_name=axis_name, row_topk=row_topk
+    s,
+    real,
+    topk=policy.num_kept(n_total),
+    axis_name=axis_name,
+    row_topk=row_topk,
+  )
+
+
+def _logit_error(q, k, used, bias, real, *, scale, axis_name):
+  """``[b, h, t]`` bound on |computed - exact| for every logit of each row.
+
+  From per-row query summaries and GLOBAL key summaries (one pmax): the
+  largest key norm, per-dimension |k| maxima (box form), whether any key
+  has subnormal components, and the largest finite |bias|.
+  """
+  dt = core.compute_dtype(jnp.result_type(q.dtype, k.dtype))
+  d = q.shape[-1]
+  k_norm = core.max_norm(core.norms_up(k), used)  # [b, h]
+  kabs = jnp.max(
+    jnp.where(used[..., None], jnp.abs(k.astype(dt)), 0.0), axis=-2
+  )  # [b, h, d]
+  k_fl = jnp.any(used & core.flushed(k), axis=-1).astype(dt)  # [b, h]
+  stats = [k_norm, kabs, k_fl]
+  if bias is not None:
+    b_abs = jnp.max(
+      jnp.where(real, jnp.abs(bias.astype(dt)), 0.0), axis=-1
+    )  # [b, h, t]
+    stats.append(b_abs)
+  stats = _global_select.pmax(tuple(stats), axis_name)
+  k_norm, kabs, k_fl = stats[:3]
+  abs_dot = core.abs_dot_box(q, kabs[..., None, :])[..., 0]  # [b, h, t]
+  return core.logit_error_bound(
+    q_norm=core.norms_up(q),
+    k_norm=k_norm[..., None],
+    head_dim=d,
+    scale=scale,
+    abs_dot=abs_dot,
+    q_flushed=core.flushed(q),
+    k_flushed=(k_fl > 0)[..., None],
+    bias_abs=stats[3] if bias is not None else None,
   )
 
 
@@ -104,9 +136,11 @@ def kv_shard_attention(
   valid,
   *,
   policy: Policy,
-  scale: float,
+  scale,
   axis_name,
   n_total: int,
+  bias=None,
+  value_norms=None,
   return_keep: bool = False,
 ):
   """Top-k attention for this shard's slice of keys, merged globally.
@@ -121,121 +155,108 @@ def kv_shard_attention(
     value: ``[batch, heads, n_local, v_dim]`` this shard's values.
     valid: bool broadcastable to ``[batch, heads, q_len, n_local]``, True for
       a real key (padding and causal masks already applied).
-    policy: a selection policy, applied to the whole (global) row: Dense,
-      FixedK, Ratio, PowerLaw (per-row count over the row's real keys), or
-      Certified with a global eps (every search runs the exact one here).
-    scale: positive logit scale.
+    policy: applied to the whole (global) row: Dense, FixedK, Ratio,
+      PowerLaw (per-row count over the row's real keys), or Certified with
+      a global eps, the exact search and optionally ``max_topk``; anything
+      else raises ``UnsupportedPolicyError`` naming the field.
+    scale: positive logit scale (Python float, or a traced 0-d array; rows
+      with a scale that is not finite and > 0 are invalid).
     axis_name: the mapped axis the keys are split over, or None.
     n_total: static number of keys over all shards (``devices * n_local``).
+    bias: optional additive bias broadcastable to ``[batch, heads, q_len,
+      n_local]`` (this shard's slice); -inf is a key of zero mass.
+    value_norms: optional ``[batch, heads, n_local]`` upper bounds on
+      ||v_j|| (e.g. a cache's block norms; NaN marks a broken value);
+      computed with ``core.value_norms`` when None.
     return_keep: also return this shard's kept set (for tests and tools).
 
   Returns:
     ``(output, certificate)``: output ``[batch, heads, q_len, v_dim]`` in the
-    query's dtype, identical on every shard; a Certificate of
-    ``[batch, heads, q_len]`` fields (tv_bound and output_error_bound sound
-    against exact arithmetic, see the module docstring). With
-    ``return_keep``, a third item: ``[batch, heads, q_len, n_local]`` bool.
+    query's dtype, identical on every shard (zeros on invalid rows); a
+    Certificate of ``[batch, heads, q_len]`` fields, sound against exact
+    arithmetic (``jaxtopk.selection.core``). With ``return_keep``, a third
+    item: ``[batch, heads, q_len, n_local]`` bool.
+
+  Raises:
+    UnsupportedPolicyError: a policy field this path does not honour.
   """
-  dt = _tail.compute_dtype(query.dtype)
-  eps = jnp.finfo(dt).eps
-  q = query.astype(dt)
+  checks.check_policy(policy, "kv_shard_attention", SUPPORTS)
+  dt = core.compute_dtype(jnp.result_type(query.dtype, key.dtype))
   # Keys and values stay in their storage dtype (no float32 copy of the
-  # cache): the dots accumulate in float32. bf16 x bf16 products are exact
-  # in float32, so the rounding bound below is unchanged.
-  k, v = key, value
-  d = q.shape[-1]
+  # cache): the dots accumulate in the compute dtype at full precision.
   s = jnp.einsum(
     "bhtd,bhsd->bhts",
-    q.astype(jnp.promote_types(query.dtype, key.dtype)),
-    k,
+    query.astype(jnp.promote_types(query.dtype, key.dtype)),
+    key,
     precision=_HIGHEST,
     preferred_element_type=dt,
   )
-  s = s * scale
+  s = s * jnp.asarray(scale, dt)
+  if bias is not None:
+    s = s + jnp.broadcast_to(bias, s.shape).astype(dt)
   valid = jnp.broadcast_to(jnp.asarray(valid, bool), s.shape)
-  s_ng = lax.stop_gradient(s)
+  sg = lax.stop_gradient(s)
+  real = valid & (sg > -jnp.inf)
 
-  # One pmax (global max logit, max key norm, any non-finite real logit) and
-  # one psum (number of real keys).
-  k_f = lax.stop_gradient(k).astype(dt)  # fused into the reduction
-  k_norm = jnp.sqrt(jnp.sum(k_f * k_f, axis=-1))  # [b, h, s]
-  local_max = jnp.max(s_ng, axis=-1, where=valid, initial=-jnp.inf)
-  local_kn = jnp.max(
-    jnp.where(valid, k_norm[:, :, None, :], 0.0), axis=-1, initial=0.0
+  qs, ks = lax.stop_gradient(query), lax.stop_gradient(key)
+  used = jnp.any(valid, axis=-2)  # [b, h, s]: keys some row attends to
+  bias_b = None if bias is None else jnp.broadcast_to(bias, s.shape)
+  delta = _logit_error(
+    qs, ks, used, bias_b, real, scale=scale, axis_name=axis_name
   )
-  local_bad = jnp.any(valid & ~jnp.isfinite(s_ng), axis=-1).astype(dt)
-  row_max, kn, bad = _global_select.pmax(
-    (local_max, local_kn, local_bad), axis_name
-  )  # [b, h, t] each
-  n_valid = _global_select.psum(
-    jnp.sum(valid, axis=-1, dtype=jnp.int32), axis_name
+  row_max = _global_select.pmax(
+    jnp.max(jnp.where(real, sg, -jnp.inf), axis=-1, initial=-jnp.inf),
+    axis_name,
   )
-  row_ok = jnp.isfinite(row_max) & (bad == 0)
-  q_norm = jnp.linalg.norm(lax.stop_gradient(q), axis=-1)  # [b, h, t]
-  log_err = 2.0 * (2.0 * (d + 2) * eps * scale * q_norm * kn)  # 2 E
-  log_err = jnp.where(row_ok, log_err, 0.0)
-
+  n_real = _global_select.psum(
+    jnp.sum(real, axis=-1, dtype=jnp.int32), axis_name
+  )
   keep = _select(
-    s_ng,
-    valid,
+    sg,
+    real,
     row_max,
-    log_err,
-    n_valid,
+    delta,
+    n_real,
     policy=policy,
     n_total=n_total,
     axis_name=axis_name,
   )
-  tail = valid & ~keep
+  if value_norms is None:
+    value_norms = core.value_norms(lax.stop_gradient(value))  # [b, h, s]
+  # A non-finite value enters no output: a row with such a REAL key is
+  # invalid through its NaN norm (core), and a key a row does not attend to
+  # (masked for that row) must not turn its output to NaN via 0 * NaN.
+  value_f = jnp.where(jnp.isfinite(value), value, jnp.zeros((), value.dtype))
 
-  m = lax.stop_gradient(jnp.where(row_ok, row_max, 0.0))[..., None]
-  w = jnp.where(keep, jnp.exp(jnp.where(keep, s, m) - m), 0.0)  # [b,h,t,s]
-  num = jnp.einsum("bhts,bhse->bhte", w, v, precision=_HIGHEST)
-  den = jnp.sum(w, axis=-1)  # [b, h, t]
-  lse_tail_local = logsumexp(s_ng, axis=-1, where=tail)  # -inf if empty
-  v_norm = _certify.value_norms(lax.stop_gradient(v))[:, :, None, :]
-  vmax_local = jnp.stack(
-    [_certify.max_norm(v_norm, keep), _certify.max_norm(v_norm, tail)], -1
-  )  # [b, h, t, 2]: kept and dropped values' largest norms
-  counts = jnp.stack(
-    [jnp.sum(keep, axis=-1), jnp.sum(valid, axis=-1)], axis=-1
-  ).astype(jnp.int32)  # [b, h, t, 2]
+  def value_fn(p):  # [b, h, t, s] normalised kept weights
+    return jnp.einsum(
+      "bhts,bhse->bhte",
+      p,
+      value_f,
+      precision=_HIGHEST,
+      preferred_element_type=dt,
+    )
 
-  # The merge: one psum and one all-gather of small per-row statistics.
-  num, den, counts = _global_select.psum((num, den, counts), axis_name)
-  lse_tails = _global_select.gather_last(lse_tail_local[..., None], axis_name)
-  vmax = _global_select.pmax(vmax_local, axis_name)
-  lse_tail = logsumexp(lse_tails, axis=-1)  # [b, h, t]
-
-  den_safe = jnp.where(row_ok, den, 1.0)
-  out = num / den_safe[..., None]
-  out = jnp.where(row_ok[..., None], out, 0.0)
-
-  lse_head = m[..., 0] + jnp.log(den_safe)
-  slack = _tail.log_slack(n_total, dt)
-  log_tv = lse_tail - jnp.logaddexp(lse_tail, lse_head) + log_err + 2 * slack
-  log_tv = jnp.minimum(log_tv, 0.0)
-  # exp underflows (and XLA flushes subnormals) below the smallest normal
-  # float: round a positive bound up to it so tv_bound stays >= the truth.
-  tv = jnp.where(
-    log_tv > -jnp.inf, jnp.maximum(jnp.exp(log_tv), jnp.finfo(dt).tiny), 0.0
+  part = core.Partial.from_logits(
+    s,
+    keep,
+    valid,
+    logit_error=delta,
+    value_fn=value_fn,
+    value_norms=value_norms[:, :, None, :],
+    keys_scored=jnp.sum(valid, axis=-1, dtype=jnp.int32),
   )
-  err = _certify.output_error_bound(tv, vmax[..., 0], vmax[..., 1])
-
-  nan = jnp.asarray(jnp.nan, dt)
-  cert = Certificate(
-    tv_bound=jnp.where(row_ok, tv, nan).astype(jnp.float32),
-    log_tv_bound=jnp.where(row_ok, log_tv, nan).astype(jnp.float32),
-    k_kept=counts[..., 0],
-    keys_scored=counts[..., 1],
-    output_error_bound=jnp.where(row_ok, err, nan).astype(jnp.float32),
-    valid=row_ok,
-  )
+  if axis_name is not None:
+    parts = jax.tree.map(lambda x: lax.all_gather(x, axis_name), part)
+    part = core.Partial.reduce(parts, 0)
+  out, cert = part.finalize(n_terms=n_total, scale_ok=checks.scale_ok(scale))
+  out = out.astype(query.dtype)
   if return_keep:
-    return out.astype(query.dtype), cert, keep
-  return out.astype(query.dtype), cert
+    return out, cert, keep
+  return out, cert
 
 
-def _mask_spec(mask_shape, full_shape, axes):
+def _mask_spec(mask_shape, full_shape, axes, name="mask"):
   """PartitionSpec for a [b, h, t, s]-rank mask; size-1 dims replicated."""
   spec = []
   for dim, (size, full, ax) in enumerate(
@@ -247,21 +268,37 @@ def _mask_spec(mask_shape, full_shape, axes):
       spec.append(None)
     else:
       raise ValueError(
-        f"mask dim {dim} has size {size}; it must be 1 or {full} (mask shape"
-        f" {mask_shape} must broadcast to [batch, heads, q_len, kv_len] ="
-        f" {full_shape})"
+        f"{name} dim {dim} has size {size}; it must be 1 or {full} ({name}"
+        f" shape {mask_shape} must broadcast to [batch, heads, q_len, kv_len]"
+        f" = {full_shape})"
       )
   return P(*spec)
 
 
+def _cert_spec(row):
+  return Certificate(
+    tv_bound=row,
+    log_tv_bound=row,
+    k_kept=row,
+    keys_scored=row,
+    output_error_bound=row,
+    valid=row,
+  )
+
+
 @functools.lru_cache(maxsize=64)
-def _build(mesh, policy, scale, is_causal, n_total, axes, mask_spec, has_mask):
-  """A jitted shard_map for one configuration (cached: no retracing)."""
+def _build(mesh, policy, scale, is_causal, n_total, axes, specs):
+  """A jitted shard_map for one configuration (cached: no retracing).
+
+  ``scale`` is a Python float, or None when it is passed as a (traced)
+  argument; ``specs`` holds the mask and bias PartitionSpecs (None: absent).
+  """
   b_ax, h_ax, s_ax = axes
   n_shards = 1 if s_ax is None else mesh.shape[s_ax]
   n_local = n_total // n_shards
+  mask_spec, bias_spec = specs
 
-  def per_shard(q, k, v, mask):
+  def per_shard(q, k, v, mask, bias, *scl):
     b, t, h, d = q.shape  # local sizes
     hk = k.shape[2]
     g = h // hk  # GQA: the g query heads of a kv head become g * t rows
@@ -269,25 +306,34 @@ def _build(mesh, policy, scale, is_causal, n_total, axes, mask_spec, has_mask):
     q = q.reshape(b, hk, g * t, d)
     k = jnp.swapaxes(k, 1, 2)  # [b, hk, s, d]
     v = jnp.swapaxes(v, 1, 2)  # [b, hk, s, e]
-    if mask is None:
-      valid = jnp.ones((1, 1, 1, 1, n_local), bool)
-    elif mask.shape[1] == 1:
-      valid = mask[:, :, None]  # [b|1, 1, 1, t|1, s]
-    else:
-      valid = mask.reshape(mask.shape[0], hk, g, *mask.shape[2:])
+
+    def rows(x, fill):  # [b|1, h|1, t|1, s] -> [b|1, hk|1, g * t, s]
+      if x is None:
+        return None
+      if x.shape[1] == 1:
+        x = x[:, :, None]  # [b|1, 1, 1, t|1, s]
+      else:
+        x = x.reshape(x.shape[0], hk, g, *x.shape[2:])
+      x = jnp.broadcast_to(x, (*x.shape[:2], g, t, n_local))
+      return x.reshape(*x.shape[:2], g * t, n_local)
+
+    valid = rows(mask, True)
+    if valid is None:
+      valid = jnp.ones((1, 1, 1, n_local), bool)
     if is_causal:
       first = 0 if s_ax is None else lax.axis_index(s_ax) * n_local
       k_pos = first + jnp.arange(n_local)
-      valid = valid & (k_pos[None, :] <= jnp.arange(t)[:, None])
-    valid = jnp.broadcast_to(valid, (*valid.shape[:2], g, t, n_local))
-    valid = valid.reshape(*valid.shape[:2], g * t, n_local)
+      causal = k_pos[None, :] <= jnp.arange(t)[:, None]  # [t, s]
+      causal = jnp.broadcast_to(causal, (g, t, n_local)).reshape(g * t, -1)
+      valid = valid & causal
     out, cert = kv_shard_attention(
       q,
       k,
       v,
       valid,
+      bias=rows(bias, 0.0),
       policy=policy,
-      scale=scale,
+      scale=scale if not scl else scl[0],
       axis_name=s_ax,
       n_total=n_total,
     )
@@ -302,22 +348,18 @@ def _build(mesh, policy, scale, is_causal, n_total, axes, mask_spec, has_mask):
   q_spec = P(b_ax, None, h_ax, None)
   kv_spec = P(b_ax, s_ax, h_ax, None)
   row = P(b_ax, None, h_ax)
-  cert_spec = Certificate(
-    tv_bound=row,
-    log_tv_bound=row,
-    k_kept=row,
-    keys_scored=row,
-    output_error_bound=row,
-    valid=row,
-  )
-  in_specs = (q_spec, kv_spec, kv_spec, mask_spec if has_mask else None)
+  in_specs = (q_spec, kv_spec, kv_spec, mask_spec, bias_spec)
+  if scale is None:
+    in_specs = in_specs + (P(),)
   fn = _compat.shard_map(
     per_shard,
     mesh=mesh,
     in_specs=in_specs,
-    out_specs=(P(b_ax, None, h_ax, None), cert_spec),
+    out_specs=(P(b_ax, None, h_ax, None), _cert_spec(row)),
   )
-  return jax.jit(fn)
+  if scale is None:
+    return jax.jit(fn)
+  return jax.jit(lambda q, k, v, mask, bias=None: fn(q, k, v, mask, bias))
 
 
 def make_sharded_attention(
@@ -327,9 +369,10 @@ def make_sharded_attention(
   kv_len: int,
   head_dim: int,
   mask_shape: tuple[int, ...] | None = None,
+  bias_shape: tuple[int, ...] | None = None,
   batch_heads_qlen: tuple[int, int, int] | None = None,
   is_causal: bool = False,
-  scale: float | None = None,
+  scale=None,
   batch_axis: str | None = _mesh.DATA,
   head_axis: str | None = _mesh.HEADS,
   kv_axis: str | None = _mesh.KV,
@@ -340,19 +383,34 @@ def make_sharded_attention(
   allocating, e.g. to read the collectives of a 1M-key decode step).
 
   Args:
-    mesh, policy, is_causal, scale, *_axis: as ``sharded_topk_attention``.
+    mesh, policy, is_causal, *_axis: as ``sharded_topk_attention``.
     kv_len: static number of keys.
     head_dim: query/key head dim (for the default scale).
     mask_shape: the 4-d shape of the mask that will be passed, or None for no
       mask (then call with ``mask=None``).
-    batch_heads_qlen: (batch, heads, q_len), needed to shard a mask.
+    bias_shape: likewise for the bias.
+    batch_heads_qlen: (batch, heads, q_len), needed to shard a mask or bias.
+    scale: a Python float (static), None (1/sqrt(head_dim)), or the string
+      'dynamic': the scale is then the fifth argument of the returned
+      function (a 0-d array, e.g. a traced temperature).
 
   Returns:
-    ``fn(query, key, value, mask) -> (output, certificate)``, jitted.
+    ``fn(query, key, value, mask, bias[, scale]) -> (output, certificate)``,
+    jitted.
+
+  Raises:
+    UnsupportedPolicyError: a policy field this path does not honour.
+    ValueError: sizes not divisible by their mesh axes, a bad scale.
   """
-  scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-  if not scale > 0:
-    raise ValueError(f"{scale=} must be > 0")
+  checks.check_policy(policy, "sharded_topk_attention", SUPPORTS)
+  dynamic = isinstance(scale, str) and scale == "dynamic"
+  if not dynamic:
+    scale = checks.check_scale(scale, head_dim)
+    if not isinstance(scale, float):
+      raise TypeError(
+        "make_sharded_attention: an array scale must be passed at call time;"
+        " use scale='dynamic'"
+      )
   axes = tuple(
     _mesh.axis_or_none(mesh, a) for a in (batch_axis, head_axis, kv_axis)
   )
@@ -361,21 +419,24 @@ def make_sharded_attention(
       f"kv_len={kv_len} must be divisible by mesh axis {axes[2]!r} of size"
       f" {mesh.shape[axes[2]]}"
     )
-  mask_spec = None
-  if mask_shape is not None:
+  specs = []
+  for name, shape in (("mask", mask_shape), ("bias", bias_shape)):
+    if shape is None:
+      specs.append(None)
+      continue
     b, h, t = batch_heads_qlen
     mask_axes = (axes[0], axes[1], None, axes[2])
-    mask_spec = _mask_spec(tuple(mask_shape), (b, h, t, kv_len), mask_axes)
-  return _build(
+    specs.append(_mask_spec(tuple(shape), (b, h, t, kv_len), mask_axes, name))
+  fn = _build(
     mesh,
     policy,
-    scale,
+    None if dynamic else scale,
     bool(is_causal),
     kv_len,
     axes,
-    mask_spec,
-    mask_shape is not None,
+    tuple(specs),
   )
+  return fn
 
 
 def sharded_topk_attention(
@@ -386,8 +447,9 @@ def sharded_topk_attention(
   policy: Policy,
   mesh: jax.sharding.Mesh,
   mask=None,
+  bias=None,
   is_causal: bool = False,
-  scale: float | None = None,
+  scale=None,
   batch_axis: str | None = _mesh.DATA,
   head_axis: str | None = _mesh.HEADS,
   kv_axis: str | None = _mesh.KV,
@@ -406,25 +468,33 @@ def sharded_topk_attention(
       rows of one attention problem).
     value: ``[batch, kv_len, kv_heads, v_dim]``.
     policy: Dense, FixedK, Ratio, PowerLaw (per-row count over the row's
-      real keys, as ``topk_attention``) or Certified with a GLOBAL eps
-      (searches 'delta' and 'mc' run the exact search: every logit is
-      computed).
+      real keys, as ``topk_attention``) or Certified with a GLOBAL eps, the
+      exact search and optionally ``max_topk`` (Delta- and MC-Search are
+      refused: ``UnsupportedPolicyError``).
     mesh: the device mesh. Axes it lacks (or of size 1) are not sharded.
     mask: optional bool, broadcastable to ``[batch, heads, q_len, kv_len]``
       (jax.nn convention: True = attend); each dim of size 1 or full.
+    bias: optional additive float bias, same broadcasting (-inf is a key of
+      zero mass).
     is_causal: key j is visible to query i iff j <= i (as jax.nn).
-    scale: logit scale, default ``1 / sqrt(head_dim)``.
+    scale: logit scale, default ``1 / sqrt(head_dim)``; a Python number
+      (finite, > 0) or a 0-d array (e.g. traced; rows with a scale that is
+      not finite and > 0 are invalid).
     batch_axis: mesh axis for the batch, or None.
     head_axis: mesh axis for the heads, or None.
     kv_axis: mesh axis for the key sequence, or None.
 
   Returns:
     ``(output, certificate)``: output ``[batch, q_len, heads, v_dim]`` in the
-    query's dtype; Certificate fields ``[batch, q_len, heads]``.
+    query's dtype; Certificate fields ``[batch, q_len, heads]``
+    (``attention.checks.empty_result`` when q_len or kv_len is 0).
 
   Raises:
-    ValueError: for mismatched shapes, sizes not divisible by their mesh axis,
-      or a non-positive scale.
+    TypeError: non-floating inputs, a non-boolean mask, a non-bool
+      ``is_causal``, a bad scale type.
+    ValueError: mismatched shapes, sizes not divisible by their mesh axis,
+      a scale that is not finite and > 0.
+    UnsupportedPolicyError: a policy field this path does not honour.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -436,22 +506,16 @@ def sharded_topk_attention(
     >>> out.shape, cert.k_kept.shape
     ((1, 4, 2, 8), (1, 4, 2))
   """
-  query, key, value = map(jnp.asarray, (query, key, value))
-  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-    raise ValueError(
-      f"query, key, value must be [batch, seq, heads, dim]; got"
-      f" {query.shape=}, {key.shape=}, {value.shape=}"
-    )
+  query, key, value, dims = checks.check_qkv(query, key, value)
+  checks.check_policy(policy, "sharded_topk_attention", SUPPORTS)
+  is_causal = checks.check_is_causal(is_causal)
+  mask = checks.check_mask(mask, dims.logits_shape)
+  bias = checks.check_bias(bias, dims.logits_shape)
+  scale = checks.check_scale(scale, dims.head_dim)
+  if dims.empty:
+    return checks.empty_result(dims, query.dtype)
   b, t, h, d = query.shape
-  if key.shape[0] != b or key.shape[3] != d:
-    raise ValueError(f"{key.shape=} does not match {query.shape=}")
-  if h % key.shape[2]:
-    raise ValueError(
-      f"num_heads={h} must be a multiple of num_kv_heads={key.shape[2]} (GQA)"
-    )
-  if value.shape[:3] != key.shape[:3]:
-    raise ValueError(f"{value.shape=} does not match {key.shape=}")
-  hk = key.shape[2]
+  hk = dims.num_kv_heads
   for name, size, ax in (
     ("batch", b, batch_axis),
     ("num_kv_heads", hk, head_axis),
@@ -462,24 +526,26 @@ def sharded_topk_attention(
         f"{name}={size} must be divisible by mesh axis {ax!r} of size"
         f" {mesh.shape[ax]}"
       )
-  mask_shape = None
-  if mask is not None:
-    mask = jnp.asarray(mask, bool)
-    if mask.ndim > 4:
-      raise ValueError(f"{mask.shape=} has more than 4 dims")
-    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    mask_shape = mask.shape
+
+  def as4(x):
+    return None if x is None else x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+  mask, bias = as4(mask), as4(bias)
+  dynamic = not isinstance(scale, float)
   fn = make_sharded_attention(
     mesh,
     policy=policy,
-    kv_len=key.shape[1],
+    kv_len=dims.kv_len,
     head_dim=d,
-    mask_shape=mask_shape,
+    mask_shape=None if mask is None else mask.shape,
+    bias_shape=None if bias is None else bias.shape,
     batch_heads_qlen=(b, h, t),
     is_causal=is_causal,
-    scale=scale,
+    scale="dynamic" if dynamic else scale,
     batch_axis=batch_axis,
     head_axis=head_axis,
     kv_axis=kv_axis,
   )
-  return fn(query, key, value, mask)
+  if dynamic:
+    return fn(query, key, value, mask, bias, scale)
+  return fn(query, key, value, mask, bias)

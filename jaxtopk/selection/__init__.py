@@ -4,8 +4,9 @@
 API that the attention, kernel, parallel and nn layers build on. So are
 ``select_rows`` (select on validated logits with a logit error bound),
 ``search_row_partial`` (one row of Delta- / MC-Search, returning a
-``core.Partial``), ``box_abs_dot`` and ``box_upper_bound_dot`` (block-box
-bounds written as dot products).
+``core.Partial``), ``mc_log_mass_row`` (MC-Search's per-block mass bound),
+``box_abs_dot`` and ``box_upper_bound_dot`` (block-box bounds written as dot
+products).
 """
 
 from jaxtopk.selection import core
@@ -32,6 +33,7 @@ from jaxtopk.selection._policies import UnsupportedPolicyError
 from jaxtopk.selection._policies import capabilities
 from jaxtopk.selection._search import box_abs_dot
 from jaxtopk.selection._search import box_upper_bound_dot
+from jaxtopk.selection._search import mc_log_mass_row
 from jaxtopk.selection._search import search_row_partial
 from jaxtopk.selection._select import Selection
 from jaxtopk.selection._select import select

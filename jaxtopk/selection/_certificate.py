@@ -33,12 +33,14 @@ class Certificate:
   certificate's own computation (``core.log_slack``). For ``select``, the
   given logits are taken as exact.
 
-  What is NOT covered: the rounding of the returned output itself, i.e.
-  ||output - Attn_k||: the weighted sum in the compute dtype (at most about
-  (n_kept + 8 + merges) eps_compute max_{j in H} ||v_j||, a few ulps of that
-  norm in practice) and the cast to the output dtype (half an ulp of each
-  component: 2^-8 relative for bfloat16, 2^-11 for float16). Bound the full
-  error of a returned output by output_error_bound plus that.
+  What is NOT covered: the rounding of the returned output itself once its
+  weights are computed: the exps, sums and the weighted sum in the compute
+  dtype (at most about (n_kept + 8 + merges) eps_compute max_{j in H}
+  ||v_j||, a few ulps of that norm in practice) and the cast to the output
+  dtype (half an ulp of each component: 2^-8 relative for bfloat16, 2^-11
+  for float16). Bound the full error of a returned output by
+  output_error_bound plus that. (How far the logits' own rounding moves
+  the weights IS covered: see output_error_bound.)
 
   Attributes:
     tv_bound: float32 (float64 under x64) upper bound on tau, never below
@@ -56,9 +58,12 @@ class Certificate:
       (block summaries are not counted; THEORY 6.4; MC samples and low-rank
       projections are).
     output_error_bound: upper bound on ||Attn - Attn_k||_2 (THEORY 4.2/4.4:
-      tv_bound (max_{j in H} ||v_j|| + max_{j dropped} ||v_j||), rounded up,
-      never 0 below a positive truth, +inf only when the bound exceeds the
-      largest float or ``tv_bound`` is trivial), or None when the call was
+      tv_bound (max_{j in H} ||v_j|| + max_{j dropped} ||v_j||)) plus the
+      distance from Attn_k to the attention weighted by the softmax of the
+      COMPUTED kept logits (logits off by at most delta: 2 (1 - e^{-2
+      delta}) max_{j in H} ||v_j||, ``core.logit_output_error``); rounded
+      up, never 0 below a positive truth, +inf only when the bound exceeds
+      the largest float or ``tv_bound`` is trivial; None when the call was
       given no values. NaN where not ``valid``.
     valid: bool, the row validity rule of ``core``: True iff the row keeps
       a real key of positive mass, none of its real keys has a NaN or +inf

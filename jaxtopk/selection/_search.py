@@ -209,6 +209,34 @@ def _mc_log_mass_row(q, kb, vb, u, cnt, rng, *, scale, num_samples, delta):
   return log_mass, u_eff
 
 
+def mc_log_mass_row(q, kb, vb, u, cnt, rng, *, scale, num_samples, delta):
+  """MC-Search's mass bound of every block of one row (THEORY 6.3).
+
+  Documented internal API (the KV index's MC-Search over content groups
+  uses it): from ``num_samples`` uniformly drawn real keys per block, with
+  probability >= 1 - delta (union bound over the blocks) each block's mass
+  is at most ``exp(log_mass)``; blocks where the estimate underflows keep
+  their sure bound |B| e^{u_b}.
+
+  Args:
+    q: ``[d]`` query (compute dtype).
+    kb: ``[nb, bs, d]`` keys of the blocks.
+    vb: ``[nb, bs]`` bool real keys.
+    u: ``[nb]`` sound logit bounds of the blocks (-inf if empty).
+    cnt: ``[nb]`` real keys per block.
+    rng: PRNG key.
+    scale: logit scale.
+    num_samples: samples per block.
+    delta: failure probability.
+
+  Returns:
+    ``(log_mass, u_eff)``: ``[nb]`` log mass bounds and per-key levels.
+  """
+  return _mc_log_mass_row(
+    q, kb, vb, u, cnt, rng, scale=scale, num_samples=num_samples, delta=delta
+  )
+
+
 def search_row_partial(
   q,
   keys,

@@ -54,9 +54,15 @@ Names (one line each):
 - ``logit_error_bound(...)``: |computed scale q.k (+ bias) - exact| for
   every key of a row.
 - ``Partial``: partial softmax statistics (normalised output, head and tail
-  masses, counts, norms); ``merge``, ``Partial.reduce``, ``finalize``.
+  masses, counts, norms); ``merge``, ``Partial.reduce``, ``finalize``;
+  ``Partial.from_stats`` for masses summed elsewhere (a kernel).
+- ``online_step(...)``: one block of a flash loop, elementwise (the form of
+  ``merge`` a Pallas kernel body runs).
 - ``tail_log_bound(...)``: log tau from head and tail log masses, rounded up.
 - ``output_error_bound(tv, head_norm, tail_norm)``: THEORY 4.2 + 4.4.
+- ``logit_output_error(logit_error, head_norm)``: how far logits off by
+  delta move the computed output from Attn_k (added by
+  ``finish_certificate``).
 - ``finish_certificate(...)``: log tv + validity + counts -> Certificate.
 - ``certificate_from_logits(...)``: the Certificate of a kept set when every
   logit of the row is known.
@@ -395,24 +401,34 @@ def output_error_bound(tv_bound, head_norm, tail_norm) -> jax.Array:
   return jnp.where(bad, jnp.nan, jnp.where(tv == 0, 0.0, b))
 
 
-def _add_weight_error(err, logit_error, head_norm):
-  """``err`` plus expm1(2 delta) max_H ||v_j||, rounded up.
+def logit_output_error(logit_error, head_norm) -> jax.Array:
+  """Bound on ||Attn_k - sum_H p~_j v_j|| for logits off by <= delta.
 
-  The returned output weighs the kept values by the softmax of the COMPUTED
-  logits, each within delta of the exact one, so every weight is within a
-  factor e^{+-2 delta} of the exact kept-set weight and the two outputs
-  differ by at most sum_H |p_hat_j - p_j| max_H ||v_j|| <= expm1(2 delta)
-  max_H ||v_j|| (THEORY 10). Zero for exact logits (delta = 0).
+  The computed output weighs the kept values with p~, the softmax of the
+  COMPUTED kept logits; Attn_k weighs them with the exact P_hat. Each ratio
+  p~_j / P_hat_j lies in [e^{-2 delta}, e^{2 delta}], so TV(P_hat, p~) <=
+  1 - e^{-2 delta} and the two outputs differ by at most 2 (1 - e^{-2
+  delta}) max_H ||v_j|| (<= 4 delta max_H ||v_j||). Without it a row that
+  keeps every key (tv = 0) would claim 0 while a subnormal query component
+  read as 0 moves its computed output by O(1) (issue 13). Rounded up;
+  0 when delta = 0; +inf for an infinite delta.
+
+  Args:
+    logit_error: ``[...]`` delta (``logit_error_bound``).
+    head_norm: ``[...]`` max ||v_j|| over the kept keys.
+
+  Returns:
+    ``[...]`` nonnegative bound (NaN where ``head_norm`` is NaN).
   """
-  dt = err.dtype
-  eps = _eps(dt)
-  h = jnp.asarray(head_norm, dt)
-  h = jnp.where(_subnormal(h), _tiny(dt), h)  # read as 0 on a CPU
-  w = jnp.expm1(2 * logit_error) * (1 + 4 * eps)
-  w = up_positive(w, logit_error > 0)
-  x = up_positive(w * h * (1 + 2 * eps), (w > 0) & (h > 0))
-  total = (err + x) * (1 + 2 * eps)
-  return jnp.where(x > 0, up_positive(total, True), err)
+  h = jnp.asarray(head_norm)
+  dt = h.dtype
+  delta = jnp.asarray(logit_error, dt)
+  eps, tiny = _eps(dt), _tiny(dt)
+  frac = -jnp.expm1(-2 * jnp.maximum(delta, 0.0))  # in [0, 1]
+  frac = jnp.minimum(2 * frac * (1 + 4 * eps), 2.0)
+  h = jnp.where(_subnormal(h), tiny, h)
+  b = up_positive(frac * h * (1 + 4 * eps), (frac > 0) & (h > 0))
+  return jnp.where(delta > 0, b, jnp.zeros((), dt))
 
 
 def logits_ok(logits, real) -> jax.Array:
@@ -464,8 +480,9 @@ def finish_certificate(
 
   tv_bound = ``exp_up(log_tv)`` (never 0 for a positive bound, even when it
   is below the smallest normal); output_error_bound from
-  ``output_error_bound`` when norms are given (+inf where ``logit_error``
-  is +inf: the certificate is trivial). Float fields are NaN and ``k_kept``
+  ``output_error_bound`` when norms are given, plus
+  ``logit_output_error`` when ``logit_error`` is (+inf where it is +inf:
+  the certificate is trivial). Float fields are NaN and ``k_kept``
   is 0 where not ``valid``.
 
   Args:
@@ -490,9 +507,8 @@ def finish_certificate(
   if head_norm is not None:
     err = output_error_bound(tv, head_norm, tail_norm)
     if logit_error is not None:
-      le = jnp.asarray(logit_error, err.dtype)
-      err = _add_weight_error(err, le, head_norm)
-      err = jnp.where(le < jnp.inf, err, jnp.inf)
+      err = err + logit_output_error(logit_error, head_norm)
+      err = jnp.where(jnp.asarray(logit_error) < jnp.inf, err, jnp.inf)
     err = jnp.where(valid, jnp.broadcast_to(err, shape), jnp.nan)
   return Certificate(
     tv_bound=tv,
@@ -668,6 +684,84 @@ class Partial:
       logits_ok=jnp.ones(shape, bool),
     )
 
+  @classmethod
+  def from_stats(
+    cls,
+    m,
+    denom,
+    *,
+    tail=False,
+    o=None,
+    err=None,
+    logit_error=0.0,
+    k_kept=0,
+    keys_scored=0,
+    head_norm=None,
+    tail_norm=None,
+    logits_ok=True,
+  ) -> "Partial":
+    """Statistics of keys summed elsewhere, e.g. by a Pallas kernel.
+
+    For a part whose mass was computed as (max, sum of e^{s - max}) outside
+    ``from_logits``: a kernel's block log-sum-exps, or the running head of
+    an ``online_step`` loop. ``m`` may hold a finite mask value where
+    nothing was seen (``denom`` 0): such entries become empty (-inf).
+
+    Args:
+      m: ``[...]`` max logit of the part.
+      denom: ``[...]`` sum over the part of e^{s_i - m} (0 if empty).
+      tail: False for kept keys (the head), True for dropped ones.
+      o: ``[..., d_v]`` normalised output of the head, or None.
+      err: ``[...]`` rounding of ``denom`` in units of eps (an
+        ``online_step`` loop's); default one leaf (each term computed once
+        relative to ``m``, as ``from_logits``).
+      logit_error: ``[...]`` delta of the logits that entered.
+      k_kept: ``[...]`` int kept real keys (0 for a tail part).
+      keys_scored: ``[...]`` int q.k products computed.
+      head_norm: ``[...]`` max kept value norm (None: no norms carried).
+      tail_norm: ``[...]`` max dropped value norm (with ``head_norm``).
+      logits_ok: ``[...]`` bool, no NaN / +inf real logit or broken value.
+
+    Returns:
+      A Partial with leading shape ``m.shape``.
+    """
+    m = jnp.asarray(m)
+    dt = compute_dtype(m.dtype)
+    m = m.astype(dt)
+    denom = jnp.asarray(denom, dt)
+    has = denom > 0
+    m = jnp.where(has, m, -jnp.inf)
+    denom = jnp.where(has, denom, 0.0)
+    shape = m.shape
+    if err is None:
+      err = jnp.full(shape, _leaf_err(dt), dt)
+    ninf = jnp.full(shape, -jnp.inf, dt)
+    zero = jnp.zeros(shape, dt)
+    if (head_norm is None) != (tail_norm is None):
+      raise ValueError("from_stats: give head_norm and tail_norm, or neither")
+    norms = {}
+    if head_norm is not None:
+      norms = dict(
+        head_norm=jnp.broadcast_to(jnp.asarray(head_norm, dt), shape),
+        tail_norm=jnp.broadcast_to(jnp.asarray(tail_norm, dt), shape),
+      )
+    if o is not None:
+      o = jnp.where(has[..., None], jnp.asarray(o).astype(dt), 0.0)
+    return cls(
+      o=o,
+      m=ninf if tail else m,
+      denom=zero if tail else denom,
+      tail_m=m if tail else ninf,
+      tail_sum=denom if tail else zero,
+      err=jnp.broadcast_to(jnp.asarray(err, dt), shape),
+      logit_error=jnp.broadcast_to(jnp.asarray(logit_error, dt), shape),
+      k_kept=jnp.broadcast_to(jnp.asarray(k_kept, jnp.int32), shape),
+      keys_scored=jnp.broadcast_to(jnp.asarray(keys_scored, jnp.int32), shape),
+      head_norm=norms.get("head_norm"),
+      tail_norm=norms.get("tail_norm"),
+      logits_ok=jnp.broadcast_to(jnp.asarray(logits_ok, bool), shape),
+    )
+
   def add_tail(self, log_terms, where, *, norms=None) -> "Partial":
     """Adds upper bounds on the mass of unscored keys to the tail.
 
@@ -829,6 +923,55 @@ def _merge_step(m_parts, m, ax):
   lim = _log_tiny_inv(dt) + 1.0
   gap = jnp.where(jnp.isfinite(gap), jnp.minimum(gap, lim), 0.0)
   return 0.5 * gap + _EXP_ULPS
+
+
+def online_step(
+  m, denom, o, err, logits, valid, value_fn, *, mask_value, axis=-1
+):
+  """One block of a flash (online-softmax) loop: the pairwise ``merge``.
+
+  The running head (``m``, ``denom``, normalised ``o``, ``err``, as a
+  ``Partial``'s fields) absorbs one block of logits. The form of
+  ``Partial.reduce`` for two parts, written elementwise so that it runs
+  inside a Pallas kernel body (no -inf, no ``isfinite``: empty entries hold
+  the finite ``mask_value``): m' = max(m, max s), the old part rescaled by
+  e^{m - m'}, the block's terms e^{s - m'} computed once (a leaf), and the
+  output kept a convex combination, o' = (e^{m - m'} denom o + sum_j p_j
+  v_j) / denom' with every weight <= 1, so values near the largest float do
+  not overflow (an unnormalised accumulator would). ``err`` grows as in
+  ``Partial.reduce`` (the rescale's 0.5 |m - m'| + ulps, a leaf for the
+  block, the addition's slack); ``Partial.from_stats(m, denom, o=o,
+  err=err)`` turns the result into a Partial.
+
+  Args:
+    m: ``[r, 1]`` running max (``mask_value`` before any real key).
+    denom: ``[r, 1]`` running sum of e^{s - m} (0 before any real key).
+    o: ``[r, d_v]`` running normalised output (0 before any real key).
+    err: ``[r, 1]`` running rounding of ``denom`` in eps units (0 at first).
+    logits: ``[r, bk]`` the block's logits (or ``[bk, r]`` with ``axis=0``).
+    valid: bool, same shape: real keys.
+    value_fn: ``p -> [r, d_v]``, sum_j p_j v_j of the block for weights p
+      shaped like ``logits`` (each <= 1, summing to <= 1).
+    mask_value: a large negative finite number (e.g. -0.7 max float).
+    axis: the block's key axis of ``logits`` (-1 or 0).
+
+  Returns:
+    ``(m, denom, o, err)`` after the block.
+  """
+  dt = m.dtype
+  s = jnp.where(valid, logits, mask_value)
+  m_new = jnp.maximum(m, jnp.max(s, axis=axis, keepdims=True))
+  corr = jnp.exp(m - m_new)  # <= 1
+  p = jnp.where(valid, jnp.exp(s - m_new), 0.0)  # each <= 1
+  d_new = corr * denom + jnp.sum(p, axis=axis, keepdims=True)
+  inv = 1.0 / jnp.where(d_new > 0, d_new, 1.0)
+  o_new = (corr * denom * inv) * o + value_fn(p * inv)
+  lim = _log_tiny_inv(dt) + 1.0
+  with jax.ensure_compile_time_eval():
+    grow = float(log_slack(2, dt)) / float(_eps(dt)) + _EXP_ULPS
+  step = 0.5 * jnp.minimum(m_new - m, lim) + 2 * _EXP_ULPS
+  err_new = jnp.maximum(err + step, _leaf_err(dt) + _EXP_ULPS) + grow
+  return m_new, d_new, o_new, err_new
 
 
 def merge(a: Partial, b: Partial) -> Partial:

@@ -37,6 +37,7 @@ ELSEWHERE = {
   "certified_search": "tests/experiments/binaries_test.py",
   "native_topk": "tests/experiments/native_topk_test.py",
   "bench_scaling": "tests/parallel/bench_scaling_test.py",  # subprocess
+  "kv_retrieval": "tests/experiments/kv_retrieval_test.py",
 }
 HERE = tuple(name for name in CONFIGS if name not in ELSEWHERE)
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from jaxtopk import kernels
 from tests import tolerances
+from tests.contract import reference
 from tests.kernels import base
-from tests.kernels import oracle
 
 BK, SPLITS = 16, 3
 SIZES = kernels.DecodeSizes(BK, SPLITS)
@@ -25,7 +25,7 @@ def _oracle(q, k, v, scored, mask):
   vis = np.ones((q.shape[0], 1, 1, n), bool)
   if mask is not None:
     vis = np.asarray(mask)[:, None, None, :]
-  tau, err, n_vis = oracle.exact(
+  tau, err, n_vis = reference.kept_truth(
     q[:, :, None], k, v, keep[:, :, None], vis, q.shape[-1] ** -0.5
   )
   return tau[:, :, 0], err[:, :, 0], n_vis[:, :, 0], keep & vis[:, :, 0]
@@ -85,11 +85,14 @@ class DecodeTest(base.KernelTestCase):
     out, cert = self._decode(q, k, v, mask, 0.0)
     np.testing.assert_array_equal(cert.tv_bound, 0.0)
     np.testing.assert_array_equal(cert.k_kept, [[np.sum(mask)] * 2])
-    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
-    s = np.einsum("bhd,bhkd->bhk", qn, kn) / np.sqrt(8)
-    s = np.where(np.asarray(mask)[:, None], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    dense = np.einsum("bhk,bhkd->bhd", p / p.sum(-1, keepdims=True), vn)
+    truth = reference.Truth(
+      q[:, :, None],
+      reference.repeat_kv(k, 2),
+      reference.repeat_kv(v, 2),
+      scale=8**-0.5,
+      mask=np.asarray(mask)[:, None, None, :],
+    )
+    dense = np.asarray(truth.attn[:, :, 0], np.float64)
     np.testing.assert_allclose(out, dense, **tolerances.tol(jnp.float32))
 
   @pytest.mark.slow

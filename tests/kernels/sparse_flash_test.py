@@ -9,6 +9,7 @@ from absl.testing import parameterized
 
 from jaxtopk import kernels
 from tests import tolerances
+from tests.contract import reference
 from tests.kernels import base
 
 BQ, BK = 16, 32
@@ -87,13 +88,15 @@ class SparseFlashTest(base.KernelTestCase):
       block_sizes=kernels.SparseFlashSizes(BQ, BK),
       interpret=self.INTERPRET,
     )
-    # Dense softmax attention in float64 numpy (GQA: 2 query heads per kv).
-    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
-    kn, vn = np.repeat(kn, 2, axis=1), np.repeat(vn, 2, axis=1)
-    s = np.einsum("bhqd,bhkd->bhqk", qn, kn) / np.sqrt(8)
-    s = np.where(np.asarray(mask)[:, None, None, :], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    dense = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), vn)
+    # Dense softmax attention, the float64 reference (GQA: 2 heads per kv).
+    truth = reference.Truth(
+      q,
+      reference.repeat_kv(k, 4),
+      reference.repeat_kv(v, 4),
+      scale=8**-0.5,
+      mask=np.asarray(mask)[:, None, None, :],
+    )
+    dense = np.asarray(truth.attn, np.float64)
     np.testing.assert_allclose(o, dense, **tolerances.tol(jnp.float32))
     self.assertTrue(bool(jnp.all(jnp.isfinite(lse))))
 

@@ -17,6 +17,7 @@ from jaxtopk import Dense
 from jaxtopk import FixedK
 from jaxtopk import PowerLaw
 from jaxtopk import Ratio
+from jaxtopk import UnsupportedPolicyError
 from tests.parallel import truth
 from tests.tolerances import tol
 
@@ -90,13 +91,23 @@ class KvShardAttentionTest(parameterized.TestCase):
     )
 
 
+class PolicyFieldsTest(parameterized.TestCase):
+  @parameterized.named_parameters(
+    ("delta", Certified(0.1, search="delta"), "Certified.search"),
+    ("mc", Certified(0.1, search="mc"), "Certified.search"),
+  )
+  def test_block_searches_refused_by_name(self, policy, field):
+    q, k, v, valid = _inputs(0, 8)
+    with self.assertRaisesRegex(UnsupportedPolicyError, field):
+      truth.simulated_kv_attention(q, k, v, valid, policy=policy, n_shards=2)
+
+
 class SoundnessTest(parameterized.TestCase):
   """Global certificates never below the float64 truth (THEORY 3.4)."""
 
   @parameterized.named_parameters(
     ("fixed_4x3", FixedK(2), 4, 12, jnp.float32),
-    # 'delta' runs the exact search when every logit is computed.
-    ("certified_delta_4x1", Certified(0.1, search="delta"), 4, 4, jnp.float32),
+    ("certified_4x1", Certified(0.1), 4, 4, jnp.float32),
     ("ratio_2x7_bf16", Ratio(0.2), 2, 14, jnp.bfloat16),
     ("certified_3x5_bf16", Certified(0.01), 3, 15, jnp.bfloat16),
   )

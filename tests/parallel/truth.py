@@ -1,13 +1,13 @@
-"""Test helpers: simulated key shards (vmap) and float64 dense truth."""
+"""Test helpers: simulated key shards (vmap); the truth is the contract's."""
 
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy.special import logsumexp
 
 from jaxtopk import parallel
+from tests.contract import reference
 
 
 def split_kv(x, n_shards, axis=2):
@@ -65,31 +65,18 @@ def simulated_kv_attention(q, k, v, valid, *, policy, n_shards, scale=None):
 
 
 def dense_truth(q, k, v, valid, keep, scale=None):
-  """float64 truth for a kept set: (tau, output error, top-k output).
+  """The float64 truth of a kept set (``tests.contract.reference``).
 
   Args are head-major numpy-convertible; ``keep`` and ``valid`` are bool
-  ``[b, h, t, n]``. Returns tau ``[b, h, t]`` (NaN for a row without a real
+  ``[b, h, t, n]``. Returns tau ``[b, h, t]`` (0 for a row without a real
   key), the exact output error ||Attn - Attn_k|| ``[b, h, t]`` and the
-  attention over ``keep`` ``[b, h, t, e]``. The error is computed from
-  THEORY 4.1, tau * ||mu_tail - mu_head||, which stays accurate where
-  subtracting two float64 attention outputs would not (large logits).
+  attention over ``keep`` ``[b, h, t, e]``.
   """
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
-  s = np.einsum("bhtd,bhsd->bhts", q, k) * scale
-  valid = np.broadcast_to(np.asarray(valid, bool), s.shape)
-  keep = np.asarray(keep, bool) & valid
-  tail = valid & ~keep
-
-  def softmax_mean(where):
-    lse = logsumexp(np.where(where, s, -np.inf), axis=-1, keepdims=True)
-    p = np.where(where, np.exp(np.where(where, s - lse, -np.inf)), 0.0)
-    return lse[..., 0], np.einsum("bhts,bhse->bhte", p, v)
-
-  with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-    lse_all, _ = softmax_mean(valid)
-    lse_tail, mu_tail = softmax_mean(tail)
-    _, mu_head = softmax_mean(keep)
-    tau = np.exp(lse_tail - lse_all)
-  err = np.where(tau > 0, tau * np.linalg.norm(mu_tail - mu_head, axis=-1), 0.0)
-  return tau, err, mu_head
+  t = reference.Truth(q, k, v, scale=scale, mask=valid)
+  keep = np.asarray(keep, bool)
+  return (
+    np.asarray(t.tau(keep), np.float64),
+    np.asarray(t.output_error(keep), np.float64),
+    np.asarray(t.kept_attention(keep), np.float64),
+  )

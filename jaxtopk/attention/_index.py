@@ -1,0 +1,695 @@
+"""A KV cache whose keys are grouped by content, with sound group summaries.
+
+Issue 15; THEORY 3.3 (any sound per-group logit bound gives the blockwise
+tail bound), 6.2/6.3 (searches over the groups, ``_index_search.py``).
+
+Blocks of consecutive positions have loose summaries on real keys (a block's
+bound sits ~5 logits above its keys on MiniLM, RESULTS 5): neighbouring
+tokens are not close in key space. Here keys are grouped by CONTENT:
+
+- Build (``build_kv_index``): Lloyd k-means in key space (Euclidean, the
+  metric of the ball bound) into ``num_clusters`` clusters, then every
+  cluster is cut into groups of at most ``group_size`` keys along the
+  direction from its centre to its farthest key (so a big cluster becomes
+  several tight groups). With ``G = ceil(max_len / C) + num_clusters``
+  groups of capacity ``C`` every cluster fits (it wastes less than one
+  group), and the spare groups take appended keys.
+- Storage: keys and values live GROUPED, head-major, contiguous per group
+  (``[batch, kv_heads, groups, C, head_dim]``), so a search that skips a
+  group never reads its keys or values; ``position`` maps slots back to
+  sequence positions and ``slot`` positions to slots.
+- Summary per group (float32, float64 under x64): the centre c (mean of the
+  members at build time, or the first key of a group opened later), the
+  radius r >= max ||k_i - c|| rounded up (scaled norms, flushed subnormals
+  covered), ||c|| rounded up, the member count and the largest value norm.
+  The ball bound scale (q.c + ||q|| r) >= scale q.k_i (Cauchy-Schwarz) is
+  computed, with its rounding, in ``_index_search.group_upper_bounds``.
+- Append (``kv_index_update``, one decode step): a new key joins the
+  nearest non-full group (its centre is NOT moved, its radius grows to
+  cover the key: summaries stay sound with O(groups * head_dim) work and no
+  rebuild). If the key lies farther than ``OPEN_FACTOR`` times that
+  group's radius and times the build's mean radius (``open_radius``), it
+  opens a spare empty group with itself as centre instead (online leader
+  clustering; in high dimension a cluster's keys sit at nearly the same
+  distance from its centre, so a key just past the largest one seen still
+  belongs to it, while another cluster's keys lie several radii away).
+  Keys that had to enlarge a ball beyond that threshold (no spare group
+  left) are counted in ``spilled``;
+  ``rebuild_kv_index`` re-clusters everything (the caller decides when,
+  e.g. every few thousand steps or when ``spilled / length`` passes a
+  threshold; BUILD_NOTES measures the cost of not rebuilding).
+
+Masked or unfilled positions are simply absent from every group.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxtopk.attention._cache import KVCache
+from jaxtopk.selection import core
+
+DEFAULT_GROUP_SIZE = 64
+OPEN_FACTOR = 1.5  # an appended key this many radii away opens a group
+_ROUND_MACS = 1 << 17  # multiply-adds of q.k per search round (default)
+_ASSIGN_CHUNK = 2048  # keys per chunk of the k-means distance matrix
+
+
+def norm_up(x) -> jax.Array:
+  """``[...]`` ||x||_2 over the last axis, rounded up (``core.norms_up``)."""
+  return core.norms_up(x, -1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class IndexedKVCache:
+  """Keys and values grouped by content, with per-group ball summaries.
+
+  Shapes use ``b`` batch, ``hk`` kv heads, ``G`` groups, ``C`` group
+  capacity (``group_size``), ``d`` head dim, ``dv`` value dim, ``n`` the
+  capacity in positions (``max_len``).
+
+  Attributes:
+    keys: ``[b, hk, G, C, d]`` stored keys (cache dtype), grouped.
+    values: ``[b, hk, G, C, dv]`` stored values (cache dtype), grouped.
+    position: ``[b, hk, G, C]`` int32 sequence position of each slot, -1 for
+      an empty slot. A group's members occupy its first ``count`` slots.
+    count: ``[b, hk, G]`` int32 members per group.
+    centre: ``[b, hk, G, d]`` float32 group centre c (0 for empty groups).
+    radius: ``[b, hk, G]`` float32 r >= max_i ||k_i - c|| (exact values of
+      the stored keys and of c), rounded up.
+    centre_norm: ``[b, hk, G]`` float32 ||c|| rounded up.
+    vnorm: ``[b, hk, G]`` float32 largest ||v|| of the members, rounded up.
+    slot: ``[b, hk, n]`` int32 ``g * C + j`` of each filled position, -1
+      for unfilled positions.
+    key_absmax: ``[b, hk, d]`` float32 max_i |k_ic| over the stored keys
+      (bounds the rounding of every logit, ``core.abs_dot_box``).
+    key_norm: ``[b, hk]`` float32 max_i ||k_i|| rounded up.
+    key_flushed: ``[b, hk]`` bool, some stored key has subnormal
+      components (read as 0 by a CPU; ``core.logit_error_bound``).
+    open_radius: ``[b, hk]`` float32 mean group radius at build: a new key
+      farther than ``OPEN_FACTOR`` times this (and its nearest group's
+      radius) opens a group.
+    spilled: ``[b, hk]`` int32 appended keys that enlarged a group's ball
+      beyond that threshold (a quality statistic; rebuild when it grows).
+    length: ``[b]`` int32 filled positions (0 .. length - 1).
+    group_size: static capacity C of a group.
+    groups_per_round: static number of groups the searches score per round.
+  """
+
+  keys: jax.Array
+  values: jax.Array
+  position: jax.Array
+  count: jax.Array
+  centre: jax.Array
+  radius: jax.Array
+  centre_norm: jax.Array
+  vnorm: jax.Array
+  slot: jax.Array
+  key_absmax: jax.Array
+  key_norm: jax.Array
+  key_flushed: jax.Array
+  open_radius: jax.Array
+  spilled: jax.Array
+  length: jax.Array
+  group_size: int = dataclasses.field(metadata=dict(static=True))
+  groups_per_round: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def max_len(self) -> int:
+    return self.slot.shape[2]
+
+  @property
+  def num_groups(self) -> int:
+    return self.count.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.keys.shape[-1]
+
+  def decode_attention(
+    self, query, *, policy, scale=None, implementation=None, key=None
+  ):
+    """``jaxtopk.decode_attention`` over this index (see there)."""
+    from jaxtopk.attention import _index_search
+
+    return _index_search.index_decode_attention(
+      query,
+      self,
+      policy=policy,
+      scale=scale,
+      implementation=implementation,
+      key=key,
+    )
+
+
+def _segment_max(x, seg, num, fill):
+  return jax.ops.segment_max(x, seg, num, indices_are_sorted=False).clip(
+    min=fill
+  )
+
+
+def _kmeans_row(x, valid, num_clusters, iters, sample, rng):
+  """k-means++ then Lloyd for one row; ``[n]`` cluster ids (invalid: K).
+
+  Seeding (k-means++: each new centre drawn with probability proportional
+  to the squared distance to the nearest centre so far) and the Lloyd
+  iterations run on ``sample`` evenly spaced real keys (static), the final
+  assignment on all of them. Plain random seeding leaves ~1/e of the
+  clusters of clustered keys without a centre and merges them into loose
+  groups.
+  """
+  n, d = x.shape
+  k = num_clusters
+  nv = jnp.sum(valid, dtype=jnp.int32)
+  vidx = jnp.nonzero(valid, size=n, fill_value=0)[0]  # [n] positions
+  spick = (jnp.arange(sample) * jnp.maximum(nv, 1)) // sample
+  xs = x[vidx[spick]]  # [S, d]
+  vs = jnp.arange(sample) < nv  # fewer real keys than samples: repeats off
+  gumbel = jax.random.gumbel(rng, (k, sample), x.dtype)
+
+  def seed(i, st):
+    c, dmin = st
+    logp = jnp.where(
+      vs & (dmin > 0), jnp.log(jnp.maximum(dmin, 1e-30)), -jnp.inf
+    )
+    pick = jnp.argmax(jnp.where(i == 0, 0.0, logp) + gumbel[i])
+    new = xs[pick]
+    dmin = jnp.minimum(dmin, jnp.sum((xs - new) ** 2, -1))
+    return c.at[i].set(new), dmin
+
+  c0 = jnp.zeros((k, d), x.dtype)
+  c, _ = jax.lax.fori_loop(
+    0, k, seed, (c0, jnp.full((sample,), jnp.inf, x.dtype))
+  )
+
+  def assign(c, xx):
+    m = xx.shape[0]
+    chunk = min(m, _ASSIGN_CHUNK)
+    pad = -m % chunk
+    xp = jnp.pad(xx, ((0, pad), (0, 0))).reshape(-1, chunk, d)
+    cn = jnp.sum(c * c, -1)  # [K]
+    near = lambda xc: jnp.argmin(cn - 2 * xc @ c.T, -1)  # [chunk]
+    return jax.lax.map(near, xp).reshape(-1)[:m]
+
+  def step(_, c):
+    a = assign(c, xs)
+    w = vs.astype(x.dtype)
+    tot = jax.ops.segment_sum(xs * w[:, None], a, k)  # [K, d]
+    cnt = jax.ops.segment_sum(w, a, k)  # [K]
+    return jnp.where(cnt[:, None] > 0, tot / jnp.maximum(cnt, 1)[:, None], c)
+
+  c = jax.lax.fori_loop(0, iters, step, c)
+  a = assign(c, x)
+  return jnp.where(valid, a, k), c
+
+
+def _group_summaries(x, v, valid, grp, num_groups):
+  """Centre, radius, ||c||, count, value-norm max of each group of a row."""
+  w = valid.astype(x.dtype)
+  g = jnp.where(valid, grp, num_groups)  # invalid keys: dropped segment
+  cnt = jax.ops.segment_sum(valid.astype(jnp.int32), g, num_groups + 1)
+  tot = jax.ops.segment_sum(x * w[:, None], g, num_groups + 1)
+  centre = tot / jnp.maximum(cnt, 1)[:, None].astype(x.dtype)
+  centre = centre[:num_groups]  # [G, d]
+  dist = radius_to(x, centre[jnp.minimum(g, num_groups - 1)])  # [n]
+  dist = jnp.where(valid, dist, 0.0)
+  radius = _segment_max(dist, g, num_groups + 1, 0.0)[:num_groups]
+  vn = jnp.where(valid, core.value_norms(v).astype(x.dtype), 0.0)
+  # segment_max drops NaN; a non-finite value makes its group's norm NaN.
+  bad = jax.ops.segment_max(jnp.isnan(vn).astype(jnp.int32), g, num_groups + 1)
+  vnorm = _segment_max(vn, g, num_groups + 1, 0.0)[:num_groups]
+  vnorm = jnp.where(bad[:num_groups] > 0, jnp.nan, vnorm)
+  return centre, radius, norm_up(centre), cnt[:num_groups], vnorm
+
+
+def radius_to(x, c) -> jax.Array:
+  """``[...]`` an upper bound on ||x - c|| for the exact stored values.
+
+  The difference is rounded (relative eps, or flushed to 0 below the
+  smallest normal): ||x - c|| <= ||fl(x - c)|| (1 + eps) + sqrt(d) tiny.
+  XLA may also recompute c inside a fusion with another rounding than the
+  stored c (a division turned into a multiply by a reciprocal: 1-2 ulps;
+  seen in a test as a radius 1.5 ulps short), so 4 eps ||c|| is added.
+  """
+  dt = x.dtype
+  d = x.shape[-1]
+  fin = jnp.finfo(dt)
+  r = norm_up(x - c) * (1 + 2 * fin.eps) + 4 * fin.eps * norm_up(c)
+  return r + 2 * (d**0.5) * fin.tiny
+
+
+def _seg_argmax(score, seg, num, valid):
+  """Index of the largest ``score`` in each segment (first on ties)."""
+  n = score.shape[0]
+  score = jnp.where(valid, score, -jnp.inf)
+  best = jax.ops.segment_max(score, seg, num)
+  hit = valid & (score == best[seg])
+  idx = jax.ops.segment_min(jnp.where(hit, jnp.arange(n), n), seg, num)
+  return jnp.minimum(idx, n - 1)
+
+
+def _bisect_oversized(x, valid, a, c, c_sz, iters=3):
+  """2-means split of every k-means cluster holding more than C keys.
+
+  k-means leaves some pairs of true clusters merged; cutting such a cluster
+  into C-key chunks by count would put a few keys of one cluster into the
+  other's group and blow up its radius. Each oversized cluster is split by
+  2-means seeded with its farthest key p and the key farthest from p.
+
+  Returns:
+    ``(sub, t)``: ``[n]`` sub-cluster ids 2a + side (invalid keys: 2K) and
+    an order key within the sub-cluster (distance to p).
+  """
+  k = c.shape[0]
+  a_c = jnp.minimum(a, k - 1)
+  size = jax.ops.segment_sum(valid.astype(jnp.int32), a, k + 1)[:k]
+  big = size > c_sz  # [K]
+  d_c = jnp.sum((x - c[a_c]) ** 2, -1)
+  p = x[_seg_argmax(d_c, a, k + 1, valid)[:k]]  # [K, d]
+  d_p = jnp.sum((x - p[a_c]) ** 2, -1)
+  p2 = x[_seg_argmax(d_p, a, k + 1, valid)[:k]]  # [K, d]
+  cc = jnp.stack([p, p2], 1)  # [K, 2, d]
+
+  def side_of(cc):
+    d0 = jnp.sum((x - cc[a_c, 0]) ** 2, -1)
+    d1 = jnp.sum((x - cc[a_c, 1]) ** 2, -1)
+    return (d1 < d0) & big[a_c]
+
+  def step(_, cc):
+    sid = jnp.where(valid, 2 * a + side_of(cc), 2 * k)
+    w = valid.astype(x.dtype)
+    tot = jax.ops.segment_sum(x * w[:, None], sid, 2 * k + 1)[: 2 * k]
+    cnt = jax.ops.segment_sum(w, sid, 2 * k + 1)[: 2 * k]
+    new = tot / jnp.maximum(cnt, 1)[:, None]
+    new = jnp.where(cnt[:, None] > 0, new, cc.reshape(2 * k, -1))
+    return new.reshape(k, 2, -1)
+
+  cc = jax.lax.fori_loop(0, iters, step, cc)
+  sub = jnp.where(valid, 2 * a + side_of(cc), 2 * k)
+  t = jnp.where(jnp.isfinite(d_p), d_p, 0.0)
+  return sub, t
+
+
+def _chunk_slots(sub, t, valid, num_sub, c_sz, num_groups):
+  """Slots of groups of at most C keys: each sub-cluster in t order.
+
+  Returns:
+    ``(slot, n_used)``: ``[n]`` int32 ``g * C + j`` (out of range for
+    invalid keys) and the number of groups used.
+  """
+  n = sub.shape[0]
+  sub = jnp.where(valid, sub, num_sub)
+  order = jnp.lexsort((t, sub))  # by sub-cluster, then along t
+  size = jax.ops.segment_sum(valid.astype(jnp.int32), sub, num_sub + 1)
+  size = size[:num_sub]
+  ngrp = (size + c_sz - 1) // c_sz  # groups per sub-cluster
+  offset = jnp.cumsum(ngrp) - ngrp
+  start = jnp.cumsum(size) - size
+  s_s = sub[order]
+  s_c = jnp.minimum(s_s, num_sub - 1)
+  rank = jnp.arange(n) - start[s_c]  # rank within its sub-cluster
+  slot_s = (offset[s_c] + rank // c_sz) * c_sz + rank % c_sz
+  slot_s = jnp.where(s_s < num_sub, slot_s, num_groups * c_sz)  # dropped
+  slot = jnp.zeros((n,), jnp.int32).at[order].set(slot_s.astype(jnp.int32))
+  return slot, jnp.sum(ngrp)
+
+
+def _build_row(
+  keys,
+  values,
+  valid,
+  rng,
+  *,
+  num_groups,
+  group_size,
+  num_clusters,
+  iters,
+  max_len,
+):
+  """Clusters, splits and scatters one (batch, kv head) row."""
+  n, d = keys.shape
+  dt = core.compute_dtype(keys.dtype)
+  x = keys.astype(dt)
+  c_sz = group_size
+  k = num_clusters
+  a, c = _kmeans_row(x, valid, k, iters, min(n, 16 * k), rng)  # [n] in [0, K]
+  sub, t = _bisect_oversized(x, valid, a, c, c_sz)  # [n] in [0, 2K]
+  slot, n_used = _chunk_slots(sub, t, valid, 2 * k, c_sz, num_groups)
+  # Fallback (never needed in the runs of BUILD_NOTES): if the bisected
+  # clusters need more groups than exist, chunk the k-means clusters as
+  # they are (at most ceil(n / C) + K groups, which always fit).
+  slot0, _ = _chunk_slots(2 * a, t, valid, 2 * k, c_sz, num_groups)
+  slot = jnp.where(n_used <= num_groups, slot, slot0)
+  idx = jnp.arange(n)
+  grp = slot // c_sz
+  flat = num_groups * c_sz
+  kg = jnp.zeros((flat, d), keys.dtype).at[slot].set(keys, mode="drop")
+  vg = jnp.zeros((flat, values.shape[-1]), values.dtype)
+  vg = vg.at[slot].set(values, mode="drop")
+  pos = jnp.full((flat,), -1, jnp.int32).at[slot].set(idx, mode="drop")
+  centre, radius, cnorm, cnt, vnorm = _group_summaries(
+    keys.astype(dt), values, valid, grp, num_groups
+  )
+  slot_of = jnp.full((max_len,), -1, jnp.int32)
+  slot_of = slot_of.at[idx].set(jnp.where(valid, slot, -1), mode="drop")
+  absmax = jnp.max(jnp.where(valid[:, None], jnp.abs(x), 0.0), 0)  # [d]
+  knorm = jnp.max(jnp.where(valid, norm_up(x), 0.0), initial=0.0)
+  kflush = jnp.any(valid & core.flushed(keys, -1))
+  nonempty = cnt > 0
+  open_r = jnp.sum(jnp.where(nonempty, radius, 0.0)) / jnp.maximum(
+    jnp.sum(nonempty), 1
+  )
+  return dict(
+    keys=kg.reshape(num_groups, c_sz, d),
+    values=vg.reshape(num_groups, c_sz, -1),
+    position=pos.reshape(num_groups, c_sz),
+    count=cnt,
+    centre=centre,
+    radius=radius,
+    centre_norm=cnorm,
+    vnorm=vnorm,
+    slot=slot_of,
+    key_absmax=absmax,
+    key_norm=knorm,
+    key_flushed=kflush,
+    open_radius=open_r,
+  )
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "max_len",
+    "group_size",
+    "num_clusters",
+    "kmeans_iters",
+    "groups_per_round",
+    "seed",
+  ),
+)
+def _build(
+  keys,
+  values,
+  lengths,
+  *,
+  max_len,
+  group_size,
+  num_clusters,
+  kmeans_iters,
+  groups_per_round,
+  seed,
+):
+  b, n, hk, d = keys.shape
+  num_groups = -(-max_len // group_size) + num_clusters
+  kh = jnp.swapaxes(keys, 1, 2)  # [b, hk, n, d] head-major, once
+  vh = jnp.swapaxes(values, 1, 2)
+  valid = jnp.arange(n)[None, :] < lengths[:, None]  # [b, n]
+  fn = functools.partial(
+    _build_row,
+    num_groups=num_groups,
+    group_size=group_size,
+    num_clusters=num_clusters,
+    iters=kmeans_iters,
+    max_len=max_len,
+  )
+  rngs = jax.random.split(jax.random.key(seed), (b, hk))
+  over_h = jax.vmap(fn, in_axes=(0, 0, None, 0))
+  out = jax.vmap(over_h)(kh, vh, valid, rngs)
+  return IndexedKVCache(
+    **out,
+    spilled=jnp.zeros((b, hk), jnp.int32),
+    length=lengths,
+    group_size=group_size,
+    groups_per_round=groups_per_round,
+  )
+
+
+def _check_int(name, val, lo=1):
+  if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+    raise ValueError(f"{name}={val!r} must be an int >= {lo}")
+
+
+def build_kv_index(
+  keys,
+  values,
+  *,
+  lengths=None,
+  max_len: int | None = None,
+  group_size: int = DEFAULT_GROUP_SIZE,
+  num_clusters: int | None = None,
+  kmeans_iters: int = 8,
+  groups_per_round: int | None = None,
+  seed: int = 0,
+) -> IndexedKVCache:
+  """Groups a cache's keys by content (k-means, then split) and indexes it.
+
+  Args:
+    keys: ``[batch, n, kv_heads, head_dim]`` (jax.nn layout; transposed to
+      head-major once here).
+    values: ``[batch, n, kv_heads, head_dim_v]``.
+    lengths: optional ``[batch]`` int, real positions per row (the first
+      ``lengths[b]``); default all ``n``.
+    max_len: capacity in positions (>= n), room for ``kv_index_update``;
+      default ``n``.
+    group_size: capacity C of a group (static), the unit the searches read.
+    num_clusters: k-means clusters (static), default ``ceil(max_len / C)``
+      (clusters of about C keys); the index holds ``ceil(max_len / C) +
+      num_clusters`` groups, i.e. ``1 + num_clusters C / max_len`` times the
+      positions' memory (2x by default). Fewer clusters save memory but
+      merge clusters into looser groups.
+    kmeans_iters: Lloyd iterations (static), on a sample of ``16 *
+      num_clusters`` evenly spaced keys; then every key is assigned.
+    groups_per_round: groups each search round scores (static), default
+      ``max(1, 2**17 // (group_size * head_dim))``: ~131K multiply-adds a
+      round (1,024 keys at head_dim 128), enough to amortise a round's fixed
+      cost, small enough to keep the gathered keys in cache (on XLA:CPU one
+      gather of a quarter of a 65,536-key cache took 3x the whole logits
+      einsum; BUILD_NOTES).
+    seed: seed of the k-means++ seeding (static).
+
+  Returns:
+    An IndexedKVCache holding the first ``lengths`` positions of each row.
+
+  Raises:
+    ValueError: on bad shapes or sizes.
+
+  Example:
+    >>> import jax, jaxtopk
+    >>> k = jax.random.normal(jax.random.key(0), (1, 300, 2, 16))
+    >>> index = jaxtopk.build_kv_index(k, k, group_size=32)
+    >>> index.keys.shape  # 10 + 5 groups of 32 slots
+    (1, 2, 15, 32, 16)
+  """
+  keys, values = jnp.asarray(keys), jnp.asarray(values)
+  if keys.ndim != 4:
+    raise ValueError(
+      f"keys must be [batch, n, kv_heads, head_dim]; got {keys.shape=}"
+    )
+  b, n, hk, d = keys.shape
+  if values.ndim != 4 or values.shape[:3] != keys.shape[:3]:
+    raise ValueError(
+      f"values must be [batch={b}, n={n}, kv_heads={hk}, head_dim_v]; got"
+      f" {values.shape=}"
+    )
+  max_len = n if max_len is None else max_len
+  _check_int("max_len", max_len)
+  _check_int("group_size", group_size)
+  _check_int("kmeans_iters", kmeans_iters, lo=0)
+  _check_int("seed", seed, lo=0)
+  if max_len < n:
+    raise ValueError(f"{max_len=} must be >= the number of keys {n=}")
+  if num_clusters is None:
+    num_clusters = max(1, -(-max_len // group_size))
+  _check_int("num_clusters", num_clusters)
+  if n < 1:
+    raise ValueError(f"keys must hold at least one position; got {n=}")
+  num_clusters = min(num_clusters, n)
+  if groups_per_round is None:
+    groups_per_round = max(1, _ROUND_MACS // (group_size * d))
+  _check_int("groups_per_round", groups_per_round)
+  if lengths is None:
+    lengths = jnp.full((b,), n, jnp.int32)
+  lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, n)
+  if lengths.shape != (b,):
+    raise ValueError(f"lengths must be [batch={b}]; got {lengths.shape=}")
+  return _build(
+    keys,
+    values,
+    lengths,
+    max_len=max_len,
+    group_size=group_size,
+    num_clusters=num_clusters,
+    kmeans_iters=kmeans_iters,
+    groups_per_round=groups_per_round,
+    seed=seed,
+  )
+
+
+def kv_index_from_cache(cache: KVCache, **kwargs) -> IndexedKVCache:
+  """``build_kv_index`` over a ``KVCache``'s filled positions.
+
+  Keeps its ``max_len``; ``kwargs`` as ``build_kv_index``.
+  """
+  keys = jnp.swapaxes(cache.keys, 1, 2)  # back to [b, n, hk, d]
+  values = jnp.swapaxes(cache.values, 1, 2)
+  kwargs.setdefault("max_len", cache.max_len)
+  return build_kv_index(keys, values, lengths=cache.length, **kwargs)
+
+
+def rebuild_kv_index(index: IndexedKVCache, **kwargs) -> IndexedKVCache:
+  """Re-clusters every stored key from scratch (same capacity).
+
+  ``kwargs`` override ``build_kv_index``'s options (default: the index's
+  group size and rounds, ``num_clusters`` from the group count).
+  """
+  b, hk, g, c, d = index.keys.shape
+  n = index.max_len
+  pos = index.position.reshape(b, hk, g * c)
+  pos = jnp.where(pos >= 0, pos, n)  # empty slots: dropped
+
+  def back(x):
+    x = x.reshape(b, hk, g * c, x.shape[-1])
+    out = jnp.zeros((b, hk, n, x.shape[-1]), x.dtype)
+    bi = jnp.arange(b)[:, None, None]
+    hi = jnp.arange(hk)[None, :, None]
+    out = out.at[bi, hi, pos].set(x, mode="drop")
+    return jnp.swapaxes(out, 1, 2)  # [b, n, hk, .]
+
+  kwargs.setdefault("group_size", index.group_size)
+  kwargs.setdefault("groups_per_round", index.groups_per_round)
+  kwargs.setdefault("num_clusters", g - (-(-n // index.group_size)))
+  return build_kv_index(
+    back(index.keys),
+    back(index.values),
+    lengths=index.length,
+    max_len=n,
+    **kwargs,
+  )
+
+
+def _append_row(row, k, v, pos, write, c_sz):
+  """Puts one key/value into one (batch, kv head) row of the index."""
+  dt = row["centre"].dtype
+  x = k.astype(dt)
+  cnt = row["count"]
+  dist = radius_to(x[None, :], row["centre"])  # [G]
+  cand = (cnt > 0) & (cnt < c_sz)
+  dn = jnp.where(cand, dist, jnp.inf)
+  near = jnp.argmin(dn)
+  thresh = OPEN_FACTOR * jnp.maximum(row["radius"][near], row["open_radius"])
+  empty = cnt == 0
+  fresh = jnp.argmax(empty)
+  far = ~jnp.any(cand) | (dn[near] > thresh)
+  opening = jnp.any(empty) & far
+  g = jnp.where(opening, fresh, near)
+  j = cnt[g]
+  ok = write & (j < c_sz)
+  centre_g = jnp.where(opening, x, row["centre"][g])
+  r_new = jnp.where(opening, radius_to(x, x), dist[g])
+  upd = lambda a, val: a.at[g].set(jnp.where(ok, val, a[g]))
+  out = dict(row)
+  out["centre"] = upd(row["centre"], centre_g)
+  out["centre_norm"] = upd(row["centre_norm"], norm_up(centre_g))
+  out["radius"] = upd(row["radius"], jnp.maximum(row["radius"][g], r_new))
+  vn = core.value_norms(v[None, :])[0].astype(dt)
+  vmax = jnp.where(jnp.isnan(vn), jnp.nan, jnp.maximum(row["vnorm"][g], vn))
+  out["vnorm"] = upd(row["vnorm"], vmax)
+  out["count"] = upd(cnt, j + 1)
+  jj = jnp.where(ok, j, c_sz)  # out of range: dropped
+  out["keys"] = row["keys"].at[g, jj].set(k, mode="drop")
+  out["values"] = row["values"].at[g, jj].set(v, mode="drop")
+  out["position"] = row["position"].at[g, jj].set(pos, mode="drop")
+  p = jnp.where(ok, pos, row["slot"].shape[0])
+  out["slot"] = row["slot"].at[p].set(g * c_sz + j, mode="drop")
+  absmax = jnp.maximum(row["key_absmax"], jnp.abs(x))
+  out["key_absmax"] = jnp.where(ok, absmax, row["key_absmax"])
+  knorm = jnp.maximum(row["key_norm"], norm_up(x))
+  out["key_norm"] = jnp.where(ok, knorm, row["key_norm"])
+  kflush = row["key_flushed"] | core.flushed(k, -1)
+  out["key_flushed"] = jnp.where(ok, kflush, row["key_flushed"])
+  grew = ok & ~opening & (dist[g] > thresh)
+  out["spilled"] = row["spilled"] + grew.astype(jnp.int32)
+  return out, ok
+
+
+_ROW_FIELDS = (
+  "keys",
+  "values",
+  "position",
+  "count",
+  "centre",
+  "radius",
+  "centre_norm",
+  "vnorm",
+  "slot",
+  "key_absmax",
+  "key_norm",
+  "key_flushed",
+  "open_radius",
+  "spilled",
+)
+
+
+@jax.jit
+def kv_index_update(
+  index: IndexedKVCache, key, value, *, num_steps=None
+) -> IndexedKVCache:
+  """Appends ``steps`` positions to every batch row (one decode step, ...).
+
+  Each key joins its nearest non-full group (or opens a spare group when it
+  lies outside every ball; see the module docstring); the group's radius,
+  value norm and the index's key maxima grow to cover it, so every summary
+  stays sound. O(steps * groups * head_dim) work per head, no rebuild.
+  Positions past ``max_len`` are dropped and ``length`` saturates.
+
+  Args:
+    index: an IndexedKVCache.
+    key: ``[batch, steps, kv_heads, head_dim]`` (jax.nn layout).
+    value: ``[batch, steps, kv_heads, head_dim_v]``.
+    num_steps: optional ``[batch]`` int, how many of the steps are real.
+
+  Returns:
+    The updated IndexedKVCache.
+
+  Raises:
+    ValueError: if key/value shapes do not match the index.
+  """
+  key, value = jnp.asarray(key), jnp.asarray(value)
+  b, hk, _, c_sz, d = index.keys.shape
+  dv = index.values.shape[-1]
+  if key.ndim != 4 or key.shape[0] != b or key.shape[2:] != (hk, d):
+    raise ValueError(
+      f"key must be [batch={b}, steps, kv_heads={hk}, head_dim={d}]; got"
+      f" {key.shape=}"
+    )
+  if value.shape != key.shape[:3] + (dv,):
+    raise ValueError(
+      f"value must be {key.shape[:3] + (dv,)}; got {value.shape=}"
+    )
+  steps = key.shape[1]
+  if num_steps is None:
+    num_steps = jnp.full((b,), steps, jnp.int32)
+  num_steps = jnp.clip(jnp.asarray(num_steps, jnp.int32), 0, steps)
+  key = key.astype(index.keys.dtype)
+  value = value.astype(index.values.dtype)
+  row_fn = functools.partial(_append_row, c_sz=c_sz)
+  over_h = jax.vmap(row_fn, in_axes=(0, 0, 0, None, None))
+  over_b = jax.vmap(over_h, in_axes=(0, 0, 0, 0, 0))
+  rows = {f: getattr(index, f) for f in _ROW_FIELDS}
+
+  def step(carry, t):
+    rows, length = carry
+    pos = length  # [b]
+    write = (t < num_steps) & (length < index.max_len)
+    kt = key[:, t]  # [b, hk, d]
+    vt = value[:, t]
+    rows, _ = over_b(rows, kt, vt, pos, write)
+    return (rows, length + write.astype(jnp.int32)), None
+
+  (rows, length), _ = jax.lax.scan(
+    step, (rows, index.length), jnp.arange(steps)
+  )
+  return dataclasses.replace(index, **rows, length=length)

@@ -1,0 +1,977 @@
+"""Searches over a content-grouped KV index, and certificates for any set.
+
+Issue 15; THEORY 3.3 (blockwise bound), 6.2 (Delta-Search), 6.3
+(MC-Search), 4.2/4.4 (output error). One query row attends to an
+``IndexedKVCache`` (``_index.py``). Group g holds ``n_g`` keys inside a ball
+(centre c_g, radius r_g), so every member's logit is at most
+
+    u_g = scale (q.c_g + ||q|| r_g)                       (Cauchy-Schwarz),
+
+rounded up for the float dot product, the norms and flushed subnormals
+(``group_upper_bounds``). With K the kept keys and R the groups whose
+remaining keys were not scored,
+
+    tau <= U / (Z_K + U),   U = sum_{g in R} n_g' e^{u_g}  (THEORY 2.4, 3.3),
+
+n_g' the group's keys outside K. One loop serves every entry point
+(``_grow_row``): groups are ordered by their mass bound n_g' e^{u_g} and
+scored in ROUNDS of ``groups_per_round`` groups (one gather of their keys,
+one einsum, an online-softmax update), and after each round the bound is
+checked; it stops once it certifies eps. A scored round is kept (its values
+read, its keys attended to) unless its mass is below eps / (16 * rounds) of
+the mass scored so far; then its exact mass joins the tail instead (the
+bound above gets that mass added to U, exactly) and its values are never
+read. So ``k_kept`` <= the keys scored, and on concentrated rows the rounds
+that only certify cost keys, not values.
+
+- ``decode_attention(query, index, policy=Certified(eps, 'delta'))``:
+  starts from nothing. 'mc' replaces n_g e^{u_g} by the Hoeffding bound
+  of THEORY 6.3 from ``num_samples`` sampled members per group
+  (``jaxtopk.selection``'s MC estimate); 'exact' and fixed-count policies
+  score every key.
+- ``certify_selection``: the certificate of a GIVEN set of positions
+  (scores only those keys; every other key is bounded by its group).
+- ``grow_selection``: starts from a given set and adds whole groups by
+  bound until eps is certified or ``max_groups`` groups were added (then
+  the certificate states the true, larger, bound).
+
+Cost, in ``keys_scored`` (q.k products): every scored key, plus the
+summaries in key-equivalents: one q.c_g per non-empty group and 2 for
+||q|| and the rounding bound |q|.max|k| (a q.c_g is one d-term dot product,
+exactly the work of one key). 'mc' adds its samples.
+
+Rows (batch x heads) run one after the other (``lax.map``): under vmap a
+while loop runs every row until the slowest stops, so time would follow the
+largest row's keys; this way it follows the total keys read.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.special import logsumexp
+
+from jaxtopk import selection
+from jaxtopk.attention._index import IndexedKVCache
+from jaxtopk.attention._index import norm_up
+from jaxtopk.selection import core
+
+# Summary cost in key-equivalents besides one per non-empty group.
+_QUERY_SUMMARY_COST = 2
+_BACKEND = "decode_attention over an IndexedKVCache"
+
+
+def _dtype(query, index):
+  return core.compute_dtype(jnp.result_type(query.dtype, index.keys.dtype))
+
+
+def row_errors(q, q_flushed, index, scale) -> tuple[jax.Array, jax.Array]:
+  """Logit error delta and a bound on |logit| for every stored key.
+
+  ``core.logit_error_bound`` with the box magnitude ``core.abs_dot_box``
+  (q against the index's per-dimension max |k|), the largest key norm and
+  the flushed-subnormal flags of q and of the stored keys.
+
+  Args:
+    q: ``[b, hk, g, d]`` queries (compute dtype).
+    q_flushed: ``[b, hk, g]`` bool, q has subnormal components.
+    index: the IndexedKVCache.
+    scale: positive logit scale.
+
+  Returns:
+    ``(delta, abs_s)`` ``[b, hk, g]``: delta bounds |computed - exact| of
+    every logit, abs_s bounds |computed logit| (for the magnitude rounding
+    of the log-sum-exps).
+  """
+  d = q.shape[-1]
+  dt = q.dtype
+  qn = norm_up(q)  # [b, hk, g]
+  kn = index.key_norm[:, :, None].astype(dt)
+  a = core.abs_dot_box(q, index.key_absmax[:, :, None, :])[..., 0]
+  delta = core.logit_error_bound(
+    q_norm=qn,
+    k_norm=kn,
+    head_dim=d,
+    scale=scale,
+    abs_dot=a,
+    q_flushed=q_flushed,
+    k_flushed=index.key_flushed[:, :, None],
+  )
+  a = jnp.minimum(a, qn * kn * (1 + 2 * jnp.finfo(dt).eps))
+  abs_s = scale * a * (1 + 4 * jnp.finfo(dt).eps) + delta
+  return delta, abs_s
+
+
+def group_upper_bounds(q, index: IndexedKVCache, scale, q_flushed=True):
+  """Sound upper bounds u_g on every member logit of every group.
+
+  u_g = scale (q.c_g + ||q|| r_g): t1 = the computed scale q.c_g, off by at
+  most delta_c (``core.logit_error_bound`` for c_g as a key, subnormal
+  components assumed), t2 = scale ||q|| r_g (norms rounded up), then
+  u_g = t1 + delta_c + t2 + 4 eps (|t1| + |t2| + delta_c) + tiny (the
+  additions' rounding; a flushed result). Empty groups get -inf; a NaN
+  bound becomes +inf (never skipped).
+
+  Args:
+    q: ``[b, hk, g, d]`` queries (compute dtype), g per kv head (GQA).
+    index: the IndexedKVCache.
+    scale: positive logit scale.
+    q_flushed: ``[b, hk, g]`` bool (or True: assume subnormal components).
+
+  Returns:
+    ``[b, hk, g, G]`` bounds in q's dtype.
+  """
+  dt = q.dtype
+  fin = jnp.finfo(dt)
+  d = q.shape[-1]
+  c = index.centre.astype(dt)
+  t1 = scale * jnp.einsum("bkgd,bkGd->bkgG", q, c)  # [b, hk, g, G]
+  qn = norm_up(q)[..., None]  # [b, hk, g, 1]
+  delta_c = core.logit_error_bound(
+    q_norm=qn,
+    k_norm=index.centre_norm[:, :, None].astype(dt),
+    head_dim=d,
+    scale=scale,
+    q_flushed=jnp.asarray(q_flushed)[..., None],
+    k_flushed=True,
+  )
+  t2 = scale * qn * index.radius[:, :, None].astype(dt) * (1 + 3 * fin.eps)
+  u = t1 + delta_c + t2
+  u = u + 4 * fin.eps * (jnp.abs(t1) + jnp.abs(t2) + delta_c) + fin.tiny
+  u = jnp.where(jnp.isnan(u), jnp.inf, u)
+  return jnp.where(index.count[:, :, None] > 0, u, -jnp.inf)
+
+
+def _err_units(abs_s, log_mass, n_rounds):
+  """Rounding coefficient (units of eps) of a row's two log masses.
+
+  The absolute logs m + log z carry eps |m| <= eps abs_s, the group terms
+  eps |u_g + log n_g|, and each round's rescale a few eps.
+  """
+  fin = jnp.isfinite(log_mass)
+  big = jnp.max(jnp.where(fin, jnp.abs(log_mass), 0.0), -1)
+  return 4 * (abs_s + big) + 4 * (n_rounds + 2)
+
+
+_LEVELS_PER_LOGIT = 64  # resolution of the group order
+
+
+def _order_groups(log_mass):
+  """Groups by decreasing mass bound, and the log of each suffix sum.
+
+  XLA:CPU sorts key/value pairs (argsort) ~4x slower than one int32 array,
+  and ``cumlogsumexp`` is slower still (7 ms for 8 x 2,048 groups, against a
+  10-20 ms logits floor at 65,536 keys), so: the bounds are quantised to
+  1/64 logit below the largest (32 logits deep; deeper ones share the last
+  live level), packed with the group index into one int32 key and sorted
+  once; the suffix sums are a reversed cumsum of e^{w - max}. The order is
+  only a heuristic (any order is sound); the suffix sums are upper bounds:
+  rounded up by 2 G eps relative plus G tiny for terms that underflowed.
+
+  Args:
+    log_mass: ``[G]`` log mass bounds (+inf allowed, -inf = nothing left).
+
+  Returns:
+    ``(order, suffix)``: ``[G]`` int32 group ids, live ones first, and
+    ``[G]`` log of an upper bound on the summed mass of ``order[j:]``.
+  """
+  g = log_mass.shape[0]
+  dt = log_mass.dtype
+  bits = max(1, (g - 1).bit_length())
+  levels = min(2048, 2 ** (30 - bits))
+  live = log_mass > -jnp.inf
+  fin = jnp.isfinite(log_mass)
+  top = jnp.max(jnp.where(fin, log_mass, -jnp.inf), initial=-jnp.inf)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  depth = jnp.clip((top - log_mass) * _LEVELS_PER_LOGIT, 0, levels - 2)
+  lev = jnp.where(fin, jnp.floor(depth), 0).astype(jnp.int32)
+  lev = jnp.where(live, lev, levels - 1)
+  key = lev * (1 << bits) + jnp.arange(g, dtype=jnp.int32)
+  order = lax.sort(key) & ((1 << bits) - 1)
+  w = log_mass[order]
+  e = jnp.exp(w - top)  # [G], +inf groups give +inf
+  cs = jnp.cumsum(e[::-1])[::-1]  # reversed: mass of order[j:]
+  fin_eps = jnp.finfo(dt)
+  cs = cs * (1 + 2 * g * fin_eps.eps) + g * fin_eps.tiny
+  n_live = jnp.sum(live)
+  suffix = jnp.where(jnp.arange(g) < n_live, jnp.log(cs) + top, -jnp.inf)
+  return order, suffix
+
+
+def _grow_row(
+  q,
+  base,
+  count,
+  log_mass,
+  init,
+  exclude,
+  delta,
+  err,
+  *,
+  keys,
+  values,
+  scale,
+  log_eps,
+  rounds,
+  max_groups,
+  n_terms,
+):
+  """Scores whole groups in rounds, by bound, until tau <= eps certified.
+
+  Args:
+    q: ``[d]`` query (compute dtype).
+    base: int offset of this row's kv head in the flat group axis.
+    count: ``[G]`` members per group.
+    log_mass: ``[G]`` log of a sound bound on the mass of each group's keys
+      NOT yet kept (-inf where none remain).
+    init: ``(m, z, o)`` online-softmax state of the keys already kept.
+    exclude: ``[G, C]`` bool slots already kept (never rescored), or None.
+    delta: logit error of the row (``row_errors``).
+    err: rounding coefficient of the row's log masses (``_err_units``).
+    keys: ``[B * G, C, d]``, values ``[B * G, C, dv]``: every kv head's
+      groups, flat (a round gathers ``rounds`` of them).
+    scale, log_eps: logit scale and log of the budget.
+    rounds: static groups per round.
+    max_groups: static cap on the groups scored.
+    n_terms: static number of terms of the row (keys plus groups).
+
+  A round whose mass is below ``eps' / (16 * max_rounds)`` of the mass
+  scored so far (eps' = eps e^{-margin}, the margin the certificate needs)
+  is scored but not kept: its exact mass joins the tail (the certificate
+  stays exact for it) and its values are never read, so on concentrated
+  rows the later rounds cost keys only. Kept rounds add their values to
+  the online-softmax output.
+
+  Returns:
+    ``(out, log_tv, scored_group, kept_group, n_scored, n_kept, has_head,
+    finite)``.
+  """
+  g_num = count.shape[0]
+  c_sz = keys.shape[1]
+  r = rounds
+  dt = q.dtype
+  eps = jnp.finfo(dt).eps
+  log_mass = jnp.where(jnp.isnan(log_mass), jnp.inf, log_mass)
+  live = log_mass > -jnp.inf
+  order, suffix = _order_groups(log_mass)  # live groups first
+  limit = jnp.minimum(jnp.sum(live, dtype=jnp.int32), max_groups)
+  order_p = jnp.concatenate([order, jnp.zeros((r,), order.dtype)])
+  suffix = jnp.concatenate([suffix, jnp.full((r + 1,), -jnp.inf, dt)])
+  margin = core.search_log_margin(n_terms, delta, dt) + 4 * eps * err
+  target = log_eps - margin
+  # Budget of a dropped round, shrunk by the margin (huge logits: a margin
+  # of ~1e24 in log space leaves nothing to drop).
+  thr = jnp.exp(target) / (16 * max(1, -(-max_groups // r)))
+
+  def lse(m, z):
+    return jnp.where(z > 0, m + jnp.log(jnp.where(z > 0, z, 1.0)), -jnp.inf)
+
+  def log_bound(log_u, m, z, zd):
+    tail = jnp.logaddexp(log_u, lse(m, zd))
+    return tail - jnp.logaddexp(lse(m, z), tail)
+
+  def cond(st):
+    j, m, z, zd = st[:4]
+    return (j < limit) & ~(log_bound(suffix[j], m, z, zd) <= target)
+
+  def body(st):
+    j, m, z, zd, o, n_sc, n_kp, fin, kept = st
+    gi = lax.dynamic_slice(order_p, (j,), (r,))  # [R]
+    ok_g = (j + jnp.arange(r)) < limit
+    kb = keys[base + gi]  # [R, C, d]: one gather of contiguous groups
+    ok = (jnp.arange(c_sz)[None, :] < count[gi][:, None]) & ok_g[:, None]
+    if exclude is not None:
+      ok = ok & ~exclude[gi]
+    s = jnp.einsum("rcd,d->rc", kb.astype(dt), q) * scale  # [R, C]
+    fin = fin & jnp.all(jnp.where(ok, jnp.isfinite(s), True))
+    m_new = jnp.maximum(m, jnp.max(jnp.where(ok, s, -jnp.inf)))
+    m_ref = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    alpha = jnp.where(m > -jnp.inf, jnp.exp(m - m_ref), 0.0)
+    p = jnp.where(ok, jnp.exp(jnp.where(ok, s, m_ref) - m_ref), 0.0)
+    mass = jnp.sum(p)
+    z, zd = z * alpha, zd * alpha
+    keep = ~(mass < thr * (z + zd + mass))  # NaN: kept (row invalid)
+    z = z + jnp.where(keep, mass, 0.0)
+    zd = zd + jnp.where(keep, 0.0, mass)
+    o = lax.cond(
+      keep,
+      lambda o: (
+        o * alpha + jnp.einsum("rc,rcv->v", p, values[base + gi].astype(dt))
+      ),
+      lambda o: o * alpha,
+      o,
+    )
+    n = jnp.sum(ok, dtype=jnp.int32)
+    kept = kept.at[jnp.where(ok_g, gi, g_num)].set(keep, mode="drop")
+    n_kp = n_kp + jnp.where(keep, n, 0)
+    return j + r, m_new, z, zd, o, n_sc + n, n_kp, fin, kept
+
+  m0, z0, o0 = init
+  st = (
+    jnp.int32(0),
+    m0,
+    z0,
+    jnp.zeros_like(z0),
+    o0,
+    jnp.int32(0),
+    jnp.int32(0),
+    jnp.bool_(True),
+    jnp.zeros((g_num,), bool),
+  )
+  j, m, z, zd, o, n_sc, n_kp, fin, kept = lax.while_loop(cond, body, st)
+  # Dropped keys whose e^{s - m} underflowed (or whose rescaled sum was
+  # flushed) each hid less than tiny: never report their mass as zero.
+  n_drop = n_sc - n_kp
+  lost = (n_drop + j // r + 1).astype(dt) * jnp.finfo(dt).tiny
+  zd = jnp.where(n_drop > 0, zd * (1 + 4 * eps) + lost, 0.0)
+  j = jnp.minimum(j, limit)
+  rank = jnp.zeros((g_num,), jnp.int32).at[order].set(jnp.arange(g_num))
+  scored = rank < j
+  log_u = logsumexp(log_mass, where=live & ~scored)
+  log_tail = jnp.logaddexp(log_u, lse(m, zd))
+  log_tv = core.tail_log_bound(
+    lse(m, z),
+    log_tail,
+    err=err,
+    n_terms=n_terms,
+    logit_error=delta,
+    ok=True,
+  )
+  out = o / jnp.where(z > 0, z, 1.0)
+  has_head = (z > 0) & jnp.isfinite(m)
+  return out, log_tv, scored, kept & scored, n_sc, n_kp, has_head, fin
+
+
+def _rows(index, g):
+  """Per query row of ``[b, hk, g]``: flat group offset and group counts."""
+  b, hk, g_num = index.count.shape
+  base = (jnp.arange(b)[:, None] * hk + jnp.arange(hk)[None, :]) * g_num
+  base = jnp.broadcast_to(base[:, :, None], (b, hk, g)).reshape(-1)
+  count = jnp.broadcast_to(index.count[:, :, None], (b, hk, g, g_num))
+  return base.astype(jnp.int32), count.reshape(-1, g_num)
+
+
+def _map_rows(fn, *args, few_rounds=False):
+  """``fn`` over the leading (row) axis.
+
+  ``lax.map`` (one row after the other) when a row may take many rounds:
+  under vmap a while loop runs every row until the slowest stops, so time
+  would follow the largest row's keys; this way each row stops on its own
+  and time follows the total keys read. When every row needs at most a few
+  rounds (``few_rounds``: small caches), vmap instead: the rows then share
+  each operation's fixed cost (~0.1-0.2 ms a row on XLA:CPU, which
+  dominated 192 rows of 1,024 keys) and lockstep wastes little.
+  """
+  if few_rounds:
+    return jax.vmap(fn)(*args)
+  return lax.map(lambda a: fn(*a), args)
+
+
+def _flat_kv(index):
+  b, hk, g_num, c_sz, d = index.keys.shape
+  keys = index.keys.reshape(b * hk * g_num, c_sz, d)
+  values = index.values.reshape(b * hk * g_num, c_sz, -1)
+  return keys, values
+
+
+def _split_heads(query, index, dt):
+  """``[b, hk, g, d]`` queries in ``dt`` and their subnormal flags."""
+  b, _, h, d = query.shape
+  hk = index.keys.shape[1]
+  q = query.reshape(b, hk, h // hk, d)
+  return q.astype(dt), core.flushed(q, -1)
+
+
+def kept_rounding_error(delta, head_norm) -> jax.Array:
+  """Output error from logits off by at most ``delta`` inside the kept set.
+
+  With computed logits s_i + e_i, |e_i| <= delta, the kept weights change
+  by a factor in [e^{-2 delta}, e^{2 delta}], so their total variation is
+  at most 1 - e^{-2 delta} and the output moves by at most 2 (1 -
+  e^{-2 delta}) max_kept ||v|| (THEORY 4.1 with the rounding as the
+  perturbation). ``output_error_bound`` adds this: with logits ~1e30 two
+  tied keys differ by an ulp (~4e22) in float32 and the output is one value
+  instead of their mean, although no key was dropped (found by the soak;
+  ``core.output_error_bound`` does not cover it).
+  """
+  dt = head_norm.dtype
+  e = -jnp.expm1(-2 * delta.astype(dt))
+  return 2 * e * head_norm * (1 + 8 * jnp.finfo(dt).eps)
+
+
+def _finish(
+  out,
+  log_tv,
+  has_head,
+  fin,
+  k_kept,
+  keys_scored,
+  head_norm,
+  tail_norm,
+  delta,
+  shape,
+  query_dtype,
+  failure_prob=0.0,
+):
+  """Validity (``core.row_valid``), Certificate, output in the query dtype."""
+  b, h = shape
+  norms_ok = ~(jnp.isnan(head_norm) | jnp.isnan(tail_norm))
+  valid = core.row_valid(
+    has_head=has_head,
+    logits_ok=fin,
+    norms_ok=norms_ok,
+    output_ok=jnp.all(jnp.isfinite(out), -1),
+  )
+  cert = core.finish_certificate(
+    log_tv,
+    valid,
+    k_kept=k_kept,
+    keys_scored=keys_scored,
+    head_norm=head_norm,
+    tail_norm=tail_norm,
+    logit_error=delta,
+    failure_prob=failure_prob,
+  )
+  err = cert.output_error_bound + kept_rounding_error(delta, head_norm)
+  cert = dataclasses.replace(cert, output_error_bound=err)
+  out = jnp.where(valid[..., None], out, 0.0)
+  out = out.reshape(b, 1, h, -1).astype(query_dtype)
+  cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
+  return out, cert
+
+
+def _summary_cost(index):
+  return jnp.sum(index.count > 0, -1, dtype=jnp.int32) + _QUERY_SUMMARY_COST
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "scale"))
+def _search_decode(query, index, rng, eps, *, policy, scale):
+  """Delta/MC-Search; ``eps`` is traced (``policy.eps`` is not read), so a
+  sweep over eps compiles once."""
+  b, _, h, d = query.shape
+  dt = _dtype(query, index)
+  q, qf = _split_heads(query, index, dt)  # [b, hk, g, d], [b, hk, g]
+  hk, g = q.shape[1], q.shape[2]
+  g_num, c_sz = index.num_groups, index.group_size
+  u = group_upper_bounds(q, index, scale, qf)  # [b, hk, g, G]
+  cnt = jnp.broadcast_to(index.count[:, :, None], u.shape)
+  delta, abs_s = row_errors(q, qf, index, scale)  # [b, hk, g]
+  mc = policy.search.name == "mc"
+  n_samp = 0
+  if mc:
+    slot_ok = jnp.arange(c_sz) < index.count[..., None]  # [b, hk, G, C]
+    rngs = jax.random.split(rng, (b, hk, g))
+    fn = functools.partial(
+      selection.mc_log_mass_row,
+      scale=scale,
+      num_samples=policy.num_samples,
+      delta=policy.delta,
+    )
+    fn = jax.vmap(fn, in_axes=(0, None, None, 0, 0, 0))  # over g
+    log_mass, _ = jax.vmap(jax.vmap(fn))(q, index.keys, slot_ok, u, cnt, rngs)
+    n_samp = policy.num_samples * jnp.sum(index.count > 0, -1)[..., None]
+  else:
+    log_mass = u + jnp.log(jnp.maximum(cnt, 1).astype(dt))
+  log_mass = jnp.where(cnt > 0, log_mass, -jnp.inf)
+  n_rounds = -(-g_num // index.groups_per_round)
+  err = _err_units(abs_s, log_mass, n_rounds)
+  dv = index.values.shape[-1]
+  rows = b * hk * g
+  init = (
+    jnp.full((rows,), -jnp.inf, dt),
+    jnp.zeros((rows,), dt),
+    jnp.zeros((rows, dv), dt),
+  )
+  keys, values = _flat_kv(index)
+  row = functools.partial(
+    _grow_row,
+    keys=keys,
+    values=values,
+    scale=scale,
+    log_eps=jnp.log(jnp.asarray(eps, dt)),
+    rounds=index.groups_per_round,
+    max_groups=g_num,
+    n_terms=g_num * c_sz + g_num,
+  )
+  base, count = _rows(index, g)
+  out, log_tv, _, kept, n_sc, n_kp, has_head, fin = _map_rows(
+    lambda q, bs, c, lm, m0, z0, o0, de, er: row(
+      q, bs, c, lm, (m0, z0, o0), None, de, er
+    ),
+    q.reshape(rows, d),
+    base,
+    count,
+    log_mass.reshape(rows, g_num),
+    *init,
+    delta.reshape(rows),
+    err.reshape(rows),
+    few_rounds=g_num <= 4 * index.groups_per_round,
+  )
+  shape = (b, hk, g)
+  out = out.reshape(*shape, dv)
+  log_tv, n_sc, n_kp, has_head, fin = (
+    x.reshape(shape) for x in (log_tv, n_sc, n_kp, has_head, fin)
+  )
+  kept = kept.reshape(*shape, g_num)
+  vn = index.vnorm[:, :, None]  # [b, hk, 1, G]
+  live = cnt > 0
+  cost = _summary_cost(index)[..., None] + n_samp
+  out, cert = _finish(
+    out,
+    log_tv,
+    has_head,
+    fin,
+    n_kp,
+    n_sc + cost,
+    core.max_norm(vn, kept & live),
+    core.max_norm(vn, ~kept & live),
+    delta,
+    (b, h),
+    query.dtype,
+    failure_prob=policy.failure_prob,
+  )
+  return out, cert, kept  # kept: [b, hk, g, G] groups kept
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "scale"))
+def _full_decode(query, index, *, policy, scale):
+  """Every stored key scored: 'exact' and fixed-count policies."""
+  b, _, h, d = query.shape
+  dt = _dtype(query, index)
+  q, qf = _split_heads(query, index, dt)  # [b, hk, g, d]
+  bb, hk, g_num, c_sz, _ = index.keys.shape
+  k = index.keys.reshape(bb, hk, g_num * c_sz, d).astype(dt)
+  v = index.values.reshape(bb, hk, g_num * c_sz, -1)
+  s = jnp.einsum("bkgd,bknd->bkgn", q, k) * scale  # [b, hk, g, n]
+  valid = (jnp.arange(c_sz) < index.count[..., None]).reshape(bb, hk, -1)
+  valid = jnp.broadcast_to(valid[:, :, None], s.shape)
+  delta, _ = row_errors(q, qf, index, scale)
+  norms = core.value_norms(v)[:, :, None]  # [b, hk, 1, n]
+  sel = selection.select_rows(
+    s, policy, valid=valid, norms=norms, logit_error=delta
+  )
+  keep = sel.keep
+  m = jnp.max(jnp.where(keep, s, -jnp.inf), -1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(keep, jnp.exp(jnp.where(keep, s, m) - m), 0.0)
+  den = jnp.sum(p, -1, keepdims=True)
+  out = jnp.einsum("bkgn,bknv->bkgv", p, v.astype(dt))
+  out = out / jnp.where(den > 0, den, 1.0)
+  cert = sel.certificate
+  head = core.max_norm(norms, keep)
+  ok = cert.valid & jnp.all(jnp.isfinite(out), -1)
+  cert = core.finish_certificate(
+    cert.log_tv_bound,
+    ok,
+    k_kept=cert.k_kept,
+    keys_scored=jnp.sum(valid, -1, dtype=jnp.int32),
+    head_norm=head,
+    tail_norm=core.max_norm(norms, valid & ~keep),
+    logit_error=delta,
+  )
+  err = cert.output_error_bound + kept_rounding_error(delta, head)
+  cert = dataclasses.replace(cert, output_error_bound=err)
+  out = jnp.where(ok[..., None], out, 0.0).reshape(b, 1, h, -1)
+  cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
+  return out.astype(query.dtype), cert
+
+
+def _check_query(query, index, name="query"):
+  query = jnp.asarray(query)
+  b, hk, _, _, d = index.keys.shape
+  if query.ndim != 4 or query.shape[:2] != (b, 1) or query.shape[3] != d:
+    raise ValueError(
+      f"{name} must be [batch={b}, 1, num_heads, head_dim={d}]; got"
+      f" {query.shape=}"
+    )
+  if query.shape[2] % hk:
+    raise ValueError(
+      f"num_heads={query.shape[2]} must be a multiple of num_kv_heads={hk}"
+    )
+  return query
+
+
+def _check_scale(scale, d):
+  scale = 1.0 / d**0.5 if scale is None else float(scale)
+  if not (scale > 0 and scale < float("inf")):
+    raise ValueError(f"{scale=} must be finite and > 0")
+  return scale
+
+
+def index_decode_attention(
+  query,
+  index: IndexedKVCache,
+  *,
+  policy: selection.Policy,
+  scale: float | None = None,
+  implementation: str | None = None,
+  key=None,
+) -> tuple[jax.Array, selection.Certificate]:
+  """``decode_attention`` over an IndexedKVCache (module docstring).
+
+  ``Certified(eps, 'delta' | 'mc')`` search the groups (``block_size`` must
+  equal the index's ``group_size``; ``max_topk`` and ``bound='lowrank'``
+  are refused); ``Certified(eps, 'exact')``, ``Dense`` and the fixed-count
+  policies score every key. Only the XLA implementation exists.
+
+  Returns:
+    ``(output [b, 1, h, dv], Certificate [b, 1, h])``.
+
+  Raises:
+    ValueError: on bad shapes, scale, implementation or a refused field.
+    TypeError: if ``policy`` is not a selection policy.
+  """
+  if not isinstance(policy, selection.Policy):
+    raise TypeError(f"{policy=} must be a jaxtopk selection policy")
+  query = _check_query(query, index)
+  scale = _check_scale(scale, index.head_dim)
+  if implementation not in (None, "xla"):
+    raise ValueError(
+      f"{implementation=} is not available for an IndexedKVCache; use None"
+      " or 'xla'"
+    )
+  searching = isinstance(policy, selection.Certified) and (
+    policy.search.name in ("delta", "mc")
+  )
+  if not searching:
+    policy.require(
+      _BACKEND,
+      selection.capabilities(
+        "policy=Dense",
+        "policy=FixedK",
+        "policy=Ratio",
+        "policy=PowerLaw",
+        "policy=Certified",
+        "search=exact",
+        "max_topk",
+      ),
+    )
+    return _full_decode(query, index, policy=policy, scale=scale)
+  policy.require(
+    _BACKEND,
+    selection.capabilities(
+      "policy=Certified", "search=delta", "search=mc", "bound=box"
+    ),
+  )
+  if policy.block_size != index.group_size:
+    raise ValueError(
+      f"Certified.block_size={policy.block_size} must equal the index's"
+      f" group_size={index.group_size} for search={policy.search!r}"
+    )
+  if policy.search.needs_rng and key is None:
+    raise ValueError("search='mc' needs a PRNG key: pass key=")
+  rng = jax.random.key(0) if key is None else key
+  out, cert, _ = _search_decode(
+    query,
+    index,
+    rng,
+    jnp.float32(policy.eps),
+    policy=selection.Certified(0.5, policy.search),  # eps is traced
+    scale=scale,
+  )
+  return out, cert
+
+
+def _selected(q_row_positions, slot_row, length, c_sz, g_num):
+  """Slots of a selection and which entries are distinct real keys."""
+  pos = q_row_positions
+  m = pos.shape[0]
+  n = slot_row.shape[0]
+  in_range = (pos >= 0) & (pos < jnp.minimum(length, n))
+  slot = jnp.where(in_range, slot_row[jnp.clip(pos, 0, n - 1)], -1)
+  real = slot >= 0
+  flat = g_num * c_sz
+  tgt = jnp.where(real, slot, flat)  # out of range: dropped
+  first = jnp.full((flat,), m, jnp.int32)
+  first = first.at[tgt].min(jnp.arange(m, dtype=jnp.int32), mode="drop")
+  uniq = real & (first[jnp.clip(slot, 0, flat - 1)] == jnp.arange(m))
+  mask = jnp.zeros((flat,), bool).at[tgt].set(True, mode="drop")
+  return jnp.clip(slot, 0, flat - 1), uniq, mask.reshape(g_num, c_sz)
+
+
+def _selection_row(
+  q,
+  base,
+  count,
+  slot_row,
+  length,
+  u,
+  positions,
+  delta,
+  err_base,
+  eps,
+  *,
+  keys,
+  values,
+  scale,
+  rounds,
+  max_groups,
+  n_terms,
+):
+  """Certificate (and growth when ``max_groups`` > 0) for one query row."""
+  g_num = count.shape[0]
+  c_sz = keys.shape[1]
+  dt = q.dtype
+  slot, uniq, sel = _selected(positions, slot_row, length, c_sz, g_num)
+  gi, ci = base + slot // c_sz, slot % c_sz
+  s = jnp.einsum("md,d->m", keys[gi, ci].astype(dt), q) * scale  # [m]
+  fin = jnp.all(jnp.where(uniq, jnp.isfinite(s), True))
+  m0 = jnp.max(jnp.where(uniq, s, -jnp.inf), initial=-jnp.inf)
+  m_ref = jnp.where(jnp.isfinite(m0), m0, 0.0)
+  p = jnp.where(uniq, jnp.exp(jnp.where(uniq, s, m_ref) - m_ref), 0.0)
+  vals = values[gi, ci]  # [m, dv]
+  init = (m0, jnp.sum(p), p @ vals.astype(dt))
+  rem = count - jnp.sum(sel, -1, dtype=jnp.int32)  # keys left per group
+  log_mass = jnp.where(
+    rem > 0, u + jnp.log(jnp.maximum(rem, 1).astype(dt)), -jnp.inf
+  )
+  fin_lm = jnp.isfinite(log_mass)
+  err = err_base + 4 * jnp.max(jnp.where(fin_lm, jnp.abs(log_mass), 0.0))
+  out, log_tv, _, kept, n_sc, n_kp, has_head, fin2 = _grow_row(
+    q,
+    base,
+    count,
+    log_mass,
+    init,
+    sel,
+    delta,
+    err,
+    keys=keys,
+    values=values,
+    scale=scale,
+    log_eps=jnp.log(jnp.asarray(eps, dt)),
+    rounds=rounds,
+    max_groups=max_groups,
+    n_terms=n_terms,
+  )
+  n_sel = jnp.sum(uniq, dtype=jnp.int32)
+  head = core.max_norm(core.value_norms(vals), uniq)
+  return (
+    out,
+    log_tv,
+    kept,
+    rem,
+    n_sel + n_kp,
+    n_sel + n_sc,
+    has_head,
+    fin & fin2,
+    head,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "max_groups", "rounds"))
+def _selection(query, index, positions, eps, *, scale, max_groups, rounds):
+  b, _, h, d = query.shape
+  dt = _dtype(query, index)
+  q, qf = _split_heads(query, index, dt)  # [b, hk, g, d]
+  hk, g = q.shape[1], q.shape[2]
+  g_num, c_sz = index.num_groups, index.group_size
+  rows = b * hk * g
+  pos = positions.reshape(b, hk, g, -1)
+  u = group_upper_bounds(q, index, scale, qf)  # [b, hk, g, G]
+  delta, abs_s = row_errors(q, qf, index, scale)
+  n_rounds = max(1, -(-max_groups // rounds)) if max_groups else 0
+  err_base = 4 * abs_s + 4 * (n_rounds + 2)
+  keys, values = _flat_kv(index)
+  row = functools.partial(
+    _selection_row,
+    keys=keys,
+    values=values,
+    scale=scale,
+    rounds=rounds,
+    max_groups=max_groups,
+    n_terms=g_num * c_sz + g_num,
+  )
+  base, count = _rows(index, g)
+  slot = jnp.broadcast_to(index.slot[:, :, None], (b, hk, g, index.max_len))
+  length = jnp.broadcast_to(index.length[:, None, None], (b, hk, g))
+  flat = lambda x: x.reshape(rows, *x.shape[3:])
+  out, log_tv, kept, rem, k_kept, n_sc, has_head, fin, head = _map_rows(
+    row,
+    q.reshape(rows, d),
+    base,
+    count,
+    flat(slot),
+    flat(length),
+    flat(u),
+    flat(pos),
+    flat(delta),
+    flat(err_base),
+    jnp.broadcast_to(jnp.asarray(eps, dt), (rows,)),
+    few_rounds=min(max_groups, g_num) <= 4 * rounds,
+  )
+  shape = (b, hk, g)
+  out = out.reshape(*shape, -1)
+  kept, rem = kept.reshape(*shape, g_num), rem.reshape(*shape, g_num)
+  log_tv, k_kept, n_sc, has_head, fin, head = (
+    x.reshape(shape) for x in (log_tv, k_kept, n_sc, has_head, fin, head)
+  )
+  vn = index.vnorm[:, :, None]  # [b, hk, 1, G]
+  head = jnp.maximum(head, core.max_norm(vn, kept))
+  tail = core.max_norm(vn, ~kept & (rem > 0))
+  cost = _summary_cost(index)[..., None]
+  out, cert = _finish(
+    out,
+    log_tv,
+    has_head,
+    fin,
+    k_kept,
+    n_sc + cost,
+    head,
+    tail,
+    delta,
+    (b, h),
+    query.dtype,
+  )
+  return out, cert, kept, pos
+
+
+def _check_positions(positions, query):
+  positions = jnp.asarray(positions)
+  if not jnp.issubdtype(positions.dtype, jnp.integer):
+    raise ValueError(
+      f"positions must be integer sequence positions; got {positions.dtype=}"
+    )
+  b, _, h, _ = query.shape
+  if positions.ndim != 4 or positions.shape[:2] != (b, 1):
+    raise ValueError(
+      f"positions must be [batch={b}, 1, num_heads={h} (or 1), m]; got"
+      f" {positions.shape=}"
+    )
+  if positions.shape[2] not in (1, h):
+    raise ValueError(
+      f"positions' head axis must be 1 or num_heads={h}; got {positions.shape=}"
+    )
+  return jnp.broadcast_to(positions, (b, 1, h, positions.shape[3])).astype(
+    jnp.int32
+  )
+
+
+def certify_selection(
+  query, index: IndexedKVCache, positions, *, scale: float | None = None
+) -> selection.Certificate:
+  """A sound Certificate for a set of keys chosen by any other method.
+
+  THEORY 2.4 and 3.3. The set (a sliding window with attention sinks,
+  Quest-style pages, a learned indexer's choice, a user's list) is given as
+  sequence positions; only those keys are scored, every other key is
+  bounded through its group's ball (``group_upper_bounds``):
+  tau <= U / (Z_K + U), U = sum_g n_g' e^{u_g} over the keys n_g' of group
+  g outside the set. Sound on every row; it is tight when the set holds the
+  mass and the groups left out are far from the query.
+
+  Defined results: positions < 0 or >= the row's length are ignored (padding
+  of ragged sets); duplicates count once; a set with no real key (empty,
+  all padding) keeps nothing, so the row is invalid by ``core.row_valid``
+  (valid = False, float fields NaN, k_kept 0: there is no kept distribution
+  to certify), as is a row of an empty cache.
+
+  Args:
+    query: ``[batch, 1, num_heads, head_dim]`` one decode query per head.
+    index: an IndexedKVCache.
+    positions: int ``[batch, 1, num_heads or 1, m]`` kept positions.
+    scale: logit scale, default 1/sqrt(head_dim).
+
+  Returns:
+    A Certificate ``[batch, 1, num_heads]``: ``k_kept`` distinct real keys
+    of the set, ``keys_scored`` = k_kept + the summaries (one per non-empty
+    group + 2), ``output_error_bound`` for attention over the set.
+
+  Raises:
+    ValueError: on bad shapes, dtypes or scale.
+  """
+  query = _check_query(query, index)
+  scale = _check_scale(scale, index.head_dim)
+  positions = _check_positions(positions, query)
+  _, cert, _, _ = _selection(
+    query, index, positions, 0.5, scale=scale, max_groups=0, rounds=1
+  )
+  return cert
+
+
+def grow_selection(
+  query,
+  index: IndexedKVCache,
+  positions,
+  *,
+  eps: float,
+  max_groups: int | None = None,
+  scale: float | None = None,
+) -> tuple[jax.Array, selection.Selection]:
+  """Grows a candidate set by whole groups until tau <= eps is certified.
+
+  Starts from ``positions`` (a cheap guess: a window, pages, an indexer's
+  choice), then adds the groups with the largest bound on their left-out
+  mass, ``groups_per_round`` at a time, scoring their keys, until the bound
+  of ``certify_selection`` is <= eps or ``max_groups`` groups were added;
+  then the certificate reports the true (possibly larger) bound, never a
+  silently wrong one.
+
+  Args:
+    query: ``[batch, 1, num_heads, head_dim]``.
+    index: an IndexedKVCache.
+    positions: int ``[batch, 1, num_heads or 1, m]`` starting set (see
+      ``certify_selection`` for padding, duplicates and empty sets).
+    eps: TV budget in (0, 1).
+    max_groups: most groups added per row (static), default all.
+    scale: logit scale, default 1/sqrt(head_dim).
+
+  Returns:
+    ``(output, selection)``: attention over the grown set ``[batch, 1,
+    num_heads, head_dim_v]`` and a Selection with ``keep`` ``[batch, 1,
+    num_heads, max_len]`` (True at kept positions) and its Certificate.
+
+  Raises:
+    ValueError: on bad shapes, eps, max_groups or scale.
+  """
+  query = _check_query(query, index)
+  scale = _check_scale(scale, index.head_dim)
+  positions = _check_positions(positions, query)
+  if not (isinstance(eps, int | float) and 0 < eps < 1):
+    raise ValueError(f"{eps=} must be in (0, 1)")
+  g_num = index.num_groups
+  max_groups = g_num if max_groups is None else max_groups
+  if (
+    isinstance(max_groups, bool)
+    or not isinstance(max_groups, int)
+    or (max_groups < 0)
+  ):
+    raise ValueError(f"{max_groups=} must be an int >= 0")
+  out, cert, kept, pos = _selection(
+    query,
+    index,
+    positions,
+    jnp.float32(eps),
+    scale=scale,
+    max_groups=min(max_groups, g_num),
+    rounds=index.groups_per_round,
+  )
+  keep = _kept_positions(index, kept, pos)
+  return out, selection.Selection(
+    keep=keep, k_kept=cert.k_kept, certificate=cert
+  )
+
+
+@jax.jit
+def _kept_positions(index, scored, pos):
+  """``[b, 1, h, n]`` bool: the given positions plus the grown groups'."""
+  b, hk, g, _ = pos.shape
+  n = index.max_len
+  ln = index.length[:, None, None, None]
+  given = (pos >= 0) & (pos < ln)
+  rows = jnp.zeros((b, hk, g, n), bool)
+  bi = jnp.arange(b)[:, None, None, None]
+  hi = jnp.arange(hk)[None, :, None, None]
+  gi = jnp.arange(g)[None, None, :, None]
+  rows = rows.at[bi, hi, gi, jnp.where(given, pos, n)].set(True, mode="drop")
+  # Grown groups: every member position.
+  mem = jnp.where(
+    scored[..., None] & (index.position[:, :, None] >= 0),
+    index.position[:, :, None],
+    n,
+  )
+  mem = mem.reshape(b, hk, g, -1)
+  rows = rows.at[bi, hi, gi, mem].set(True, mode="drop")
+  return rows.reshape(b, 1, hk * g, n)

@@ -1,0 +1,408 @@
+"""Content-grouped KV index: soundness vs float64, updates, selections."""
+
+import dataclasses
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+from absl.testing import parameterized
+from hypothesis import given
+from hypothesis import settings
+
+import jaxtopk
+from jaxtopk.attention import _index_search
+from tests.theory import truth
+
+B, N, HK, H, D, DV = 2, 45, 1, 2, 5, 3  # GQA: 2 query heads per kv head
+C, MAX_LEN, ROUNDS = 8, 48, 2  # group size, capacity, groups per round
+KINDS = ("normal", "clustered", "ties", "huge", "tiny", "subnormal", "mixed")
+
+
+def _draw_arrays(kind, seed):
+  """(k [B, N, HK, D], v [B, N, HK, DV], q [B, 1, H, D]) float64 numpy."""
+  rng = np.random.default_rng(seed)
+  k = rng.normal(size=(B, N, HK, D))
+  v = rng.normal(size=(B, N, HK, DV))
+  q = rng.normal(size=(B, 1, H, D))
+  if kind == "clustered":  # tight clusters: groups get skipped
+    cen = 3 * rng.normal(size=(B, 6, HK, D))
+    k = cen[:, rng.integers(0, 6, N)] + 0.05 * k
+    q = 3 * q
+  elif kind == "ties":  # repeated keys and integer logits
+    k = rng.integers(-2, 3, size=k.shape).astype(float)
+    q = rng.integers(-2, 3, size=q.shape).astype(float)
+  elif kind == "huge":  # logits ~1e3..1e30 apart, values ~1e30
+    k = k * 10.0 ** rng.integers(10, 16)
+    q = q * 10.0 ** rng.integers(-5, 16)
+    v = v * 1e30
+  elif kind == "tiny":  # products are subnormal: the CPU reads them as 0
+    k, q, v = k * 1e-20, q * 1e-20, v * 1e-30
+  elif kind == "subnormal":  # subnormal components next to normal ones
+    k = np.where(rng.random(k.shape) < 0.5, k * 1e-39, k * 1e30)
+    q = np.where(rng.random(q.shape) < 0.5, q * 1e-39, q)
+    v = np.where(rng.random(v.shape) < 0.5, v * 1e-41, v)
+  elif kind == "mixed":  # every component its own magnitude
+    k = k * 10.0 ** rng.uniform(-40, 18, k.shape)
+    q = q * 10.0 ** rng.uniform(-40, 18, q.shape)
+    v = v * 10.0 ** rng.uniform(-40, 30, v.shape)
+  return k, v, q
+
+
+@st.composite
+def _cases(draw):
+  kind = draw(st.sampled_from(KINDS))
+  seed = draw(st.integers(0, 2**31 - 1))
+  lengths = draw(st.lists(st.integers(0, N), min_size=B, max_size=B))
+  eps = draw(st.sampled_from([0.01, 0.1, 0.5]))
+  return kind, seed, np.asarray(lengths, np.int32), eps
+
+
+def _index(k, v, lengths, dtype):
+  return jaxtopk.build_kv_index(
+    jnp.asarray(k, dtype),
+    jnp.asarray(v, dtype),
+    lengths=lengths,
+    max_len=MAX_LEN,
+    group_size=C,
+    groups_per_round=ROUNDS,
+  )
+
+
+def _stored(index):
+  """float64 keys/values per slot ``[b, hk, G*C, .]`` and slot validity."""
+  kf = truth.as64(index.keys).reshape(B, HK, -1, D)
+  vf = truth.as64(index.values).reshape(B, HK, -1, DV)
+  valid = (np.arange(C) < np.asarray(index.count)[..., None]).reshape(B, HK, -1)
+  return kf, vf, valid
+
+
+def _check_row(self, s, keep, valid, vals, tv, log_tv, out, err, ok, dtype):
+  """tv >= float64 truth of ``keep``; output error <= its bound."""
+  if not ok:
+    return
+  lt = truth.log_tau(s, keep, valid)
+  self.assertGreaterEqual(float(tv), np.exp(lt), msg=f"{lt=}")
+  self.assertGreaterEqual(float(log_tv), lt)
+  if not np.all(np.isfinite(vals[valid])):
+    return
+  p = truth.probs(s, valid)
+  dense = p @ np.where(valid[:, None], vals, 0.0)
+  # The certificate does not cover the rounding of the returned output
+  # itself: a few ulps of the largest value norm in the output dtype, or a
+  # subnormal output flushed to 0 by the CPU.
+  vmax = np.max(np.linalg.norm(vals[valid], axis=-1))
+  fin = jnp.finfo(dtype)
+  slack = 32 * float(fin.eps) * vmax + 2 * float(fin.tiny) * np.sqrt(DV)
+  self.assertLessEqual(
+    np.linalg.norm(truth.as64(out) - dense), float(err) + slack
+  )
+
+
+# CI draws few examples (each runs four searches); the soak profile draws
+# its own count (HYPOTHESIS_PROFILE=soak).
+_EXAMPLES = settings.default.max_examples
+_EXAMPLES = 12 if _EXAMPLES <= 60 else _EXAMPLES
+
+
+class IndexSoundnessTest(parameterized.TestCase):
+  @parameterized.named_parameters(("f32", jnp.float32), ("bf16", jnp.bfloat16))
+  @settings(max_examples=_EXAMPLES)
+  @given(case=_cases(), m=st.integers(0, 12))
+  def test_sound(self, dtype, case, m):
+    """Delta/MC-Search, certify_selection and grow_selection vs float64."""
+    kind, seed, lengths, eps = case
+    k, v, q = _draw_arrays(kind, seed)
+    index = _index(k, v, lengths, dtype)
+    query = jnp.asarray(q, dtype)
+    self._check_search(index, query, lengths, eps, seed, dtype)
+    rng = np.random.default_rng(seed)
+    # Arbitrary sets: duplicates, -1 padding and positions past the length;
+    # m real entries padded with -1 to one width (one compilation).
+    pos = rng.integers(-2, N + 3, size=(B, 1, H, 12)).astype(np.int32)
+    pos[..., m:] = -1
+    self._check_selection(index, query, k, v, pos, lengths, eps, dtype)
+
+  def _check_search(self, index, query, lengths, eps, seed, dtype):
+    kf, vf, valid = _stored(index)
+    q64 = truth.as64(query)[:, 0]  # [b, h, d]
+    scale = 1 / np.sqrt(D)
+    for search in ("delta", "mc"):
+      extra = dict(delta=1e-6) if search == "mc" else {}
+      pol = jaxtopk.Certified(eps, search, block_size=C, **extra)
+      out, cert, kept = _index_search._search_decode(
+        query,
+        index,
+        jax.random.key(seed % 1000),
+        eps,
+        policy=jaxtopk.Certified(0.5, pol.search),  # eps traced, as the API
+        scale=scale,
+      )
+      for b in range(B):
+        self.assertEqual(bool(np.any(cert.valid[b])), lengths[b] > 0)
+        for h in range(H):
+          hk = h // (H // HK)
+          s = kf[b, hk] @ q64[b, h] * scale
+          keep = np.repeat(np.asarray(kept[b, hk, h % (H // HK)]), C)
+          if cert.valid[b, 0, h]:
+            self.assertLessEqual(float(cert.tv_bound[b, 0, h]), eps)
+          _check_row(
+            self,
+            s,
+            keep & valid[b, hk],
+            valid[b, hk],
+            vf[b, hk],
+            cert.tv_bound[b, 0, h],
+            cert.log_tv_bound[b, 0, h],
+            out[b, 0, h],
+            cert.output_error_bound[b, 0, h],
+            bool(cert.valid[b, 0, h]),
+            dtype,
+          )
+
+  def _check_selection(self, index, query, k, v, pos, lengths, eps, dtype):
+    m = pos.shape[-1]
+    given = np.zeros((B, 1, H, MAX_LEN), bool)
+    for b, h, i in np.ndindex(B, H, m):
+      if 0 <= pos[b, 0, h, i] < lengths[b]:
+        given[b, 0, h, pos[b, 0, h, i]] = True
+    cert = jaxtopk.certify_selection(query, index, pos)
+    ok = np.asarray(cert.valid)
+    np.testing.assert_array_equal(cert.k_kept[ok], given.sum(-1)[ok])
+    out, sel = jaxtopk.grow_selection(query, index, pos, eps=eps)
+    grown = np.asarray(sel.keep)
+    self.assertTrue(np.all(grown | ~given))  # the start set is kept
+    k64 = truth.as64(jnp.asarray(k, dtype))
+    v64 = truth.as64(jnp.asarray(v, dtype))
+    q64 = truth.as64(query)[:, 0]
+    for b, h in np.ndindex(B, H):
+      valid = np.arange(MAX_LEN) < lengths[b]
+      kk = np.zeros((MAX_LEN, D))
+      kk[:N] = k64[b, :, h // (H // HK)]
+      vv = np.zeros((MAX_LEN, DV))
+      vv[:N] = v64[b, :, h // (H // HK)]
+      s = kk @ q64[b, h] / np.sqrt(D)
+      for c, keep, o in ((cert, given, None), (sel.certificate, grown, out)):
+        # Valid iff something real is kept (core.row_valid); finite inputs
+        # of every kind drawn here keep the logits finite or the row goes
+        # invalid, which the search check below covers.
+        if not np.any(keep[b, 0, h]):
+          self.assertFalse(bool(c.valid[b, 0, h]))
+        self.assertFalse(np.any(keep[b, 0, h] & ~valid))
+        _check_row(
+          self,
+          s,
+          keep[b, 0, h],
+          valid,
+          vv,
+          c.tv_bound[b, 0, h],
+          c.log_tv_bound[b, 0, h],
+          np.zeros(DV) if o is None else o[b, 0, h],
+          np.inf if o is None else c.output_error_bound[b, 0, h],
+          bool(c.valid[b, 0, h]),
+          dtype,
+        )
+
+
+def _clustered(seed=0, n=N):
+  k, v, q = _draw_arrays("clustered", seed)
+  return jnp.asarray(k[:, :n]), jnp.asarray(v[:, :n]), jnp.asarray(q)
+
+
+class IndexTest(parameterized.TestCase):
+  def test_layout_and_summaries(self):
+    k, v, _ = _clustered()
+    index = _index(k, v, np.array([N, 13]), jnp.float32)
+    pos = np.asarray(index.position)
+    cnt = np.asarray(index.count)
+    self.assertEqual(index.keys.shape, (B, HK, 12, C, D))
+    for b, n in ((0, N), (1, 13)):
+      got = pos[b, 0][pos[b, 0] >= 0]
+      np.testing.assert_array_equal(np.sort(got), np.arange(n))
+      for g in range(index.num_groups):
+        members = pos[b, 0, g, : cnt[b, 0, g]]
+        self.assertTrue(np.all(members >= 0))
+        self.assertTrue(np.all(pos[b, 0, g, cnt[b, 0, g] :] == -1))
+        kk = np.asarray(k[b, members, 0], np.float64)
+        np.testing.assert_array_equal(index.keys[b, 0, g, : len(members)], kk)
+        dist = np.linalg.norm(kk - np.asarray(index.centre[b, 0, g]), axis=-1)
+        self.assertTrue(np.all(dist <= index.radius[b, 0, g]))
+        vn = np.linalg.norm(np.asarray(v[b, members, 0], np.float64), axis=-1)
+        self.assertTrue(np.all(vn <= index.vnorm[b, 0, g]))
+      slots = np.asarray(index.slot[b, 0])
+      self.assertTrue(np.all(slots[n:] == -1))
+      np.testing.assert_array_equal(
+        pos[b, 0].reshape(-1)[slots[:n]], np.arange(n)
+      )
+
+  def test_incremental_equals_rebuild(self):
+    """Appends keep what a rebuild holds; only the grouping differs.
+
+    Documented differences: appended keys join existing groups (centres
+    never move, radii grow) or open spare groups, so groups, radii and
+    hence keys_scored differ from a fresh build; the stored keys, values
+    and positions, the dense output and the soundness do not.
+    """
+    k, v, q = _clustered(seed=3)
+    lengths = jnp.array([N, N])
+    fresh = _index(k, v, lengths, jnp.float32)
+    grown = _index(k[:, :20], v[:, :20], jnp.array([20, 20]), jnp.float32)
+    grown = jaxtopk.kv_index_update(grown, k[:, 20:44], v[:, 20:44])
+    grown = jaxtopk.kv_index_update(grown, k[:, 44:], v[:, 44:])
+    np.testing.assert_array_equal(grown.length, [N, N])
+    for idx in (fresh, grown):
+      pos = np.asarray(idx.position).reshape(B, HK, -1)
+      kf = np.asarray(idx.keys).reshape(B, HK, -1, D)
+      for b in range(B):
+        got = pos[b, 0][pos[b, 0] >= 0]
+        np.testing.assert_array_equal(np.sort(got), np.arange(N))
+        order = np.argsort(np.where(pos[b, 0] >= 0, pos[b, 0], 10**6))[:N]
+        np.testing.assert_array_equal(kf[b, 0, order], k[b, :, 0])
+        cnt = np.asarray(idx.count[b, 0])
+        for g in np.nonzero(cnt)[0]:
+          kk = np.asarray(idx.keys[b, 0, g, : cnt[g]], np.float64)
+          c = np.asarray(idx.centre[b, 0, g], np.float64)
+          self.assertTrue(
+            np.all(np.linalg.norm(kk - c, axis=-1) <= idx.radius[b, 0, g])
+          )
+    outs = [
+      jaxtopk.decode_attention(q, idx, policy=jaxtopk.Dense())[0]
+      for idx in (fresh, grown)
+    ]
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    rebuilt = jaxtopk.rebuild_kv_index(grown)
+    np.testing.assert_array_equal(rebuilt.count.sum(-1), [[N], [N]])
+    pol = jaxtopk.Certified(0.1, "delta", block_size=C)
+    for idx in (fresh, grown, rebuilt):
+      _, cert = jaxtopk.decode_attention(q, idx, policy=pol)
+      self.assertTrue(np.all(cert.valid))
+      self.assertTrue(np.all(cert.tv_bound <= 0.1))
+
+  def test_update_saturates_and_opens_groups(self):
+    k, v, _ = _clustered()
+    index = _index(k[:, :40], v[:, :40], jnp.array([40, 40]), jnp.float32)
+    far = jnp.full((B, 12, HK, D), 1e3)  # far from every centre
+    fv = far[..., :DV]
+    full = jaxtopk.kv_index_update(index, far, fv)
+    np.testing.assert_array_equal(full.length, [MAX_LEN, MAX_LEN])
+    np.testing.assert_array_equal(full.count.sum(-1), [[MAX_LEN]] * B)
+    opened = (np.asarray(full.count) > 0) & (np.asarray(index.count) == 0)
+    self.assertTrue(np.any(opened))
+    part = jaxtopk.kv_index_update(
+      index, far[:, :3], fv[:, :3], num_steps=jnp.array([0, 2])
+    )
+    np.testing.assert_array_equal(part.length, [40, 42])
+
+  def test_full_policies_match_kv_cache(self):
+    k, v, q = _clustered(seed=5)
+    index = _index(k, v, jnp.array([N, 30]), jnp.float32)
+    cache = jaxtopk.init_kv_cache(B, MAX_LEN, HK, D, block_size=C, value_dim=DV)
+    cache = jaxtopk.kv_cache_update(cache, k, v, num_steps=jnp.array([N, 30]))
+    for pol in (jaxtopk.FixedK(5), jaxtopk.Certified(0.05)):
+      o1, c1 = jaxtopk.decode_attention(q, index, policy=pol)
+      o2, c2 = jaxtopk.decode_attention(q, cache, policy=pol)
+      np.testing.assert_allclose(o1, o2, atol=1e-5, rtol=1e-5)
+      np.testing.assert_array_equal(c1.k_kept, c2.k_kept)
+      np.testing.assert_array_equal(c1.keys_scored, [[[N] * H], [[30] * H]])
+
+  def test_selection_defined_results(self):
+    k, v, q = _clustered()
+    index = _index(k, v, jnp.array([N, 0]), jnp.float32)
+    every = np.broadcast_to(np.arange(MAX_LEN), (B, 1, 1, MAX_LEN))
+    cert = jaxtopk.certify_selection(q, index, every)
+    np.testing.assert_array_equal(cert.valid, [[[True] * H], [[False] * H]])
+    np.testing.assert_array_equal(cert.tv_bound[0], 0.0)  # nothing dropped
+    np.testing.assert_array_equal(cert.k_kept[0], N)
+    empty = np.full((B, 1, H, 3), -1)
+    cert = jaxtopk.certify_selection(q, index, empty)
+    self.assertFalse(np.any(cert.valid))  # nothing kept (core.row_valid)
+    self.assertTrue(np.all(np.isnan(cert.tv_bound)))
+    np.testing.assert_array_equal(cert.k_kept, 0)
+    dup = np.array([3, 3, 3, 7, -1, N + 5])
+    cert = jaxtopk.certify_selection(
+      q, index, np.broadcast_to(dup, (B, 1, 1, 6))
+    )
+    np.testing.assert_array_equal(cert.k_kept[0], 2)
+    n_groups = int(np.sum(np.asarray(index.count[0, 0]) > 0))
+    np.testing.assert_array_equal(cert.keys_scored[0], 2 + n_groups + 2)
+
+  def test_grow_cap_reports_true_bound(self):
+    k, v, q = _clustered(seed=7)
+    index = _index(k, v, jnp.array([N, N]), jnp.float32)
+    start = np.zeros((B, 1, 1, 1), np.int32)
+    _, capped = jaxtopk.grow_selection(q, index, start, eps=1e-6, max_groups=1)
+    _, full = jaxtopk.grow_selection(q, index, start, eps=1e-6)
+    self.assertTrue(np.all(full.certificate.tv_bound <= 1e-6))
+    self.assertTrue(np.all(capped.k_kept <= 1 + C))
+    self.assertTrue(np.any(capped.certificate.tv_bound > 1e-6))
+
+  def test_search_skips_groups_on_clustered_keys(self):
+    k, v, q = _clustered(seed=11)
+    index = _index(k, v, jnp.array([N, N]), jnp.float32)
+    pol = jaxtopk.Certified(0.5, "delta", block_size=C)
+    _, cert = jaxtopk.decode_attention(q, index, policy=pol)
+    self.assertTrue(np.all(cert.valid))
+    self.assertLess(float(np.mean(cert.k_kept)), N)
+
+  @parameterized.named_parameters(
+    ("block_size", dict(search="delta", block_size=16), "block_size=16"),
+    ("max_topk", dict(search="delta", block_size=C, max_topk=3), "max_topk"),
+    ("lowrank", dict(search="delta", block_size=C, bound="lowrank"), "bound"),
+  )
+  def test_refused_fields(self, kwargs, fragment):
+    k, v, q = _clustered()
+    index = _index(k, v, None, jnp.float32)
+    pol = jaxtopk.Certified(0.1, **kwargs)
+    with self.assertRaisesRegex(ValueError, fragment):
+      jaxtopk.decode_attention(q, index, policy=pol)
+
+  def test_bad_arguments(self):
+    k, v, q = _clustered()
+    index = _index(k, v, None, jnp.float32)
+    mc = jaxtopk.Certified(0.1, "mc", block_size=C)
+    with self.assertRaisesRegex(ValueError, "PRNG key"):
+      jaxtopk.decode_attention(q, index, policy=mc)
+    with self.assertRaisesRegex(ValueError, "implementation"):
+      jaxtopk.decode_attention(
+        q, index, policy=jaxtopk.Dense(), implementation="pallas"
+      )
+    with self.assertRaisesRegex(ValueError, "query must be"):
+      jaxtopk.certify_selection(q[:, :, :, :3], index, np.zeros((B, 1, 1, 1)))
+    with self.assertRaisesRegex(ValueError, "integer"):
+      jaxtopk.certify_selection(q, index, np.zeros((B, 1, 1, 1)))
+    with self.assertRaisesRegex(ValueError, "eps"):
+      jaxtopk.grow_selection(q, index, np.zeros((B, 1, 1, 1), int), eps=1.5)
+    with self.assertRaisesRegex(ValueError, "max_len"):
+      jaxtopk.build_kv_index(k, v, max_len=10)
+    with self.assertRaisesRegex(ValueError, "group_size"):
+      jaxtopk.build_kv_index(k, v, group_size=0)
+
+  def test_one_key(self):
+    k, v, q = _clustered(n=1)
+    index = jaxtopk.build_kv_index(k, v, group_size=C)
+    for pol in (
+      jaxtopk.Certified(0.1, "delta", block_size=C),
+      jaxtopk.Dense(),
+    ):
+      out, cert = jaxtopk.decode_attention(q, index, policy=pol)
+      np.testing.assert_allclose(
+        out[:, 0], jnp.repeat(v[:, 0], H, axis=1), atol=1e-6
+      )
+      np.testing.assert_array_equal(cert.tv_bound, 0.0)
+
+  def test_jit_and_pytree(self):
+    k, v, q = _clustered()
+    index = _index(k, v, None, jnp.float32)
+    pol = jaxtopk.Certified(0.1, "delta", block_size=C)
+    f = jax.jit(lambda q, i: jaxtopk.decode_attention(q, i, policy=pol))
+    o1, c1 = f(q, index)
+    o2, c2 = jaxtopk.decode_attention(q, index, policy=pol)
+    np.testing.assert_array_equal(o1, o2)
+    np.testing.assert_array_equal(c1.tv_bound, c2.tv_bound)
+    leaves = jax.tree.leaves(index)
+    self.assertLen(leaves, len(dataclasses.fields(index)) - 2)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,50 @@
+"""Every policy the contract test crosses with every attention variant.
+
+One line per policy; together they use every field of every policy
+(``Policy.features``): the four fixed-count policies, and ``Certified`` with
+each search strategy (exact, Delta-Search with the box and the low-rank
+bound, MC-Search), each with its own fields set, and ``max_topk``. A policy
+joins by adding one line. Block sizes are 4 so that block-granular paths
+(Pallas, Delta-/MC-Search) really keep or drop blocks of the 7-key rows.
+"""
+
+import jaxtopk
+
+BLOCK = 4  # block_size of every Certified policy (and of decode caches)
+
+POLICIES = (
+  ("dense", jaxtopk.Dense()),
+  ("fixed_k", jaxtopk.FixedK(3)),
+  ("ratio", jaxtopk.Ratio(0.4)),
+  ("power_law", jaxtopk.PowerLaw(1.2, 0.5)),
+  ("cert_exact", jaxtopk.Certified(0.1, block_size=BLOCK)),
+  ("cert_exact_cap", jaxtopk.Certified(0.02, block_size=BLOCK, max_topk=4)),
+  ("cert_delta", jaxtopk.Certified(0.1, "delta", block_size=BLOCK)),
+  (
+    "cert_delta_cap",
+    jaxtopk.Certified(0.05, "delta", block_size=BLOCK, max_topk=4),
+  ),
+  (
+    "cert_lowrank",
+    jaxtopk.Certified(0.1, "delta", block_size=BLOCK, bound="lowrank", rank=2),
+  ),
+  (
+    "cert_mc",
+    jaxtopk.Certified(0.1, "mc", block_size=BLOCK, delta=0.05, num_samples=2),
+  ),
+)
+
+BY_NAME = dict(POLICIES)
+
+
+def features(policy) -> frozenset[str]:
+  """The capability names ``policy`` asks for."""
+  return frozenset(f for _, _, f in policy.features())
+
+
+def field_names(policy) -> list[str]:
+  """Names an error refusing ``policy`` may use (field or policy repr)."""
+  names = []
+  for field, value, _ in policy.features():
+    names.append(field if "." in field else repr(value))
+  return names
