@@ -50,13 +50,6 @@ ALLOWED["tasks"] = set()
 # replaced by documented internal APIs by the owners of these files; see
 # BUILD_NOTES "House layout").
 KNOWN_PRIVATE_IMPORTS = {
-  "attention/_topk.py": {
-    "jaxtopk.selection._certificate",
-    "jaxtopk.selection._certify",
-    "jaxtopk.selection._policies",
-    "jaxtopk.selection._select",
-    "jaxtopk.theory._tail",
-  },
   "selection/_search.py": {"jaxtopk.theory._blockwise"},
 }
 

@@ -348,11 +348,14 @@ _PALLAS_PREFILL = capabilities(
 _PALLAS_DECODE = capabilities(
   "policy=Dense", "policy=Certified", "search=delta", "bound=box", "max_topk"
 )
+# The XLA prefill (and the Flax layer / attention_fn on it) refuses the
+# low-rank key bound by name (topk_attention docstring).
+_XLA_PREFILL = ALL - {"bound=lowrank", "search=mc"}
 _SHARDED = ALL - {"search=delta", "search=mc", "bound=box", "bound=lowrank"}
 
 # THE list: a variant joins by adding one line.
 VARIANTS = (
-  Variant("xla_prefill", _prefill(None)),
+  Variant("xla_prefill", _prefill(None), supports=_XLA_PREFILL),
   Variant(
     "xla_decode",
     _decode(None),
@@ -391,6 +394,7 @@ VARIANTS = (
     bias=False,
     effective=_layer_effective,
     head_dim=fam.E,
+    supports=_XLA_PREFILL,
   ),
   Variant(
     "attention_fn",
@@ -398,6 +402,7 @@ VARIANTS = (
     bias=False,
     effective=_layer_effective,
     head_dim=fam.E,
+    supports=_XLA_PREFILL,
   ),
 )
 

@@ -114,6 +114,18 @@ class SmokeRunTest(parameterized.TestCase):
       record["decode"]["nnx_multi_head_attention"]["cache_filled_to"], 31
     )
 
+  def _check_bench_attention(self, record):
+    for r in record["prefill"]:
+      dense = r["variants"]["dense"]
+      self.assertLess(dense["max_abs_diff_vs_jax_nn"], 1e-4)
+      for var in ("certified", "certified_delta"):
+        cert = r["variants"][var]["certificate"]
+        self.assertLessEqual(cert["tv_bound_max"], 0.05)
+        self.assertEqual(cert["valid_fraction"], 1.0)
+    (mem,) = record["memory"]
+    self.assertGreater(mem["peak_rss_gib"], 0.0)
+    self.assertIn("train_step", record["flax"])
+
   def _check_bench_kernels(self, record):
     self.assertIsNone(record["timings"])
     self.assertIn("interpret mode", record["note"])

@@ -1,0 +1,754 @@
+"""Blockwise (flash-style) Top-k prefill on the XLA path, with certificates.
+
+THEORY 1, 3.3 (block bounds), 6.1/6.2 (certified selection, Delta-Search),
+6.5, 8.1/8.2 (Top-k prefill and training). The engine behind
+``topk_attention(implementation=None | 'xla')``; never materialises the
+``[q_len, kv_len]`` logits of the whole call: queries are cut into tiles of
+``BlockSizes.block_q`` rows (all heads of a kv head's GQA group together),
+and each tile works on its own ``[tile, kv_len]`` slice at most.
+
+Layout: inputs in the jax.nn layout are transposed ONCE to head-major
+``[batch, kv_heads, group, q_len, head_dim]`` queries and
+``[batch, kv_heads, kv_len, head_dim]`` keys and values (DESIGN: layout
+decides speed on XLA CPU).
+
+Two engines, one per kind of policy:
+
+- Scan-all (``Dense``, ``FixedK``, ``Ratio``, ``PowerLaw``,
+  ``Certified(search=Exact())``): a tile scores every key it can see (one
+  einsum), chooses its kept set by the policy's rule over those logits
+  (exactly the kept set of ``jaxtopk.select`` on the same logits: ties of
+  fixed counts broken by key index, Certified minimal up to ties at the
+  threshold), then forms the softmax over the kept keys and its product with
+  the values. Causal tiles never touch keys above their diagonal: tiles are
+  grouped into at most ``BlockSizes.max_bands`` bands of consecutive tiles,
+  and a band's tiles score only the keys its last row can see (a band of
+  ``w`` tiles wastes at most ``w - 1`` tiles' worth of keys).
+- Block search (``Certified(search=DeltaSearch(...))``):
+  Delta-Search (THEORY 6.2) at TILE granularity. Keys are cut into blocks of
+  ``Certified.block_size``; every block has a box summary (THEORY 3.3) that
+  bounds the logit of each of its keys for each row of the tile (widened by
+  the row's logit rounding bound, so it bounds the EXACT logits). The tile
+  scores the union of the blocks its rows need, in a few batched rounds of
+  geometrically growing size (the blocks with the largest bound relative to
+  the uncertified rows' mass first), until every row's unscored-mass bound
+  U fits its budget: U <= eps (Z_S + U) (with the rounding margin
+  ``core.search_log_margin``), Z_S the row's scored mass. Blocks never
+  scored are neither multiplied by q nor by v. Then, per row, the kept set is
+  the MINIMAL set among the scored keys (up to ties at the threshold) whose
+  dropped scored mass plus U fits the budget (``budget_mask`` with U as fixed
+  extra tail), capped at ``Certified.max_topk``. Excess over the exact
+  minimal set of the whole row (H*): keys of unscored blocks are never kept,
+  and the dropped scored mass allowed is smaller than H*'s by
+  (U - Z_U)(1 - eps) <= U (Z_U the true mass of the unscored blocks), so
+  the keys kept beyond H* carry at most U of mass (plus ties), itself at
+  most eps of the row's bound mass. ``MCSearch`` is refused by name: the
+  prefill takes no PRNG key, and running it deterministically would drop its
+  ``delta`` and ``num_samples`` fields (use ``search='delta'`` here, or
+  ``decode_attention`` / ``certified_search``, which sample).
+
+The certificate of every row comes from ``jaxtopk.selection.core``: a
+``core.Partial`` of the scored keys (``Partial.from_logits``, with the
+kept-set output through the caller's einsum), the unscored blocks' bounds
+merged into its tail (``add_tail``), and ``finalize``. The logit rounding
+bound of a row (``core.logit_error_bound``, subnormal inputs included) is
+formed from per-block key summaries over the blocks the row can see.
+Logits are computed at ``Precision.HIGHEST`` (the bounds assume
+full-precision dot products).
+
+Gradients flow through the softmax over the kept keys (THEORY 8.2): the
+selection runs on stop-gradient logits; each tile is a ``jax.checkpoint``, so
+the backward pass recomputes a tile at a time and never stores the logits of
+the whole call.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.special import logsumexp
+
+from jaxtopk import selection
+from jaxtopk import theory
+from jaxtopk.selection import core
+
+HIGHEST = lax.Precision.HIGHEST
+
+# What this path honours (``Policy.require``): every policy, the exact and
+# Delta-Search strategies with box block bounds, and max_topk. MC-Search and
+# the low-rank key bound are refused by name.
+SUPPORTS = selection.capabilities(
+  "policy=Dense",
+  "policy=FixedK",
+  "policy=Ratio",
+  "policy=PowerLaw",
+  "policy=Certified",
+  "search=exact",
+  "search=delta",
+  "bound=box",
+  "max_topk",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiling of the blockwise prefill.
+
+  Attributes:
+    block_q: query rows per tile (per head); a tile's buffers are
+      ``[batch, heads, block_q, kv_len]`` at most.
+    max_bands: causal scan-all tiles are grouped into at most this many
+      bands of equal key length (more bands: less work above the diagonal,
+      more code to compile).
+    first_round: blocks scored by a tile in the first round of the block
+      search; each later round doubles the total.
+  """
+
+  block_q: int = 256
+  max_bands: int = 8
+  first_round: int = 4
+
+  def __post_init__(self):
+    for name in ("block_q", "max_bands", "first_round"):
+      v = getattr(self, name)
+      if not (isinstance(v, int) and v >= 1):
+        raise ValueError(f"BlockSizes.{name}={v!r} must be an int >= 1")
+
+  @classmethod
+  def get_default(cls) -> "BlockSizes":
+    return cls()
+
+
+# Block size of the key summaries behind the logit rounding bound when the
+# policy names none (Dense and fixed counts).
+_SUMMARY_BLOCK = 64
+
+
+def kind_of(policy) -> str:
+  """'dense', 'count', 'exact' or 'search': which engine and rule run."""
+  if isinstance(policy, selection.Dense):
+    return "dense"
+  if isinstance(policy, selection.FixedCount):
+    return "count"
+  if isinstance(policy, selection.Certified):
+    return "exact" if policy.search.scores_all else "search"
+  raise TypeError(f"{policy=} is not a selection policy")
+
+
+# ---------------------------------------------------------------------------
+# Small helpers.
+
+
+def _cdiv(a, b):
+  return -(-a // b)
+
+
+def _to5(x, b, hk, g):
+  """A mask or bias broadcastable to [b, h, t, s], as a 5-d array.
+
+  Shape ``[b|1, hk|1, g|1, t|1, s|1]`` (heads split into kv heads and group).
+  """
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  nb, nh, nt, ns = x.shape
+  if nh == 1:
+    return x.reshape(nb, 1, 1, nt, ns)
+  return x.reshape(nb, hk, g, nt, ns)
+
+
+def _pad_axis(x, axis, size, value):
+  pad = size - x.shape[axis]
+  if pad <= 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _rows_of(x, q0, bq):
+  """The rows [q0, q0 + bq) of a 5-d mask/bias (axis 3), or x if broadcast."""
+  if x is None or x.shape[3] == 1:
+    return x
+  return lax.dynamic_slice_in_dim(x, q0, bq, axis=3)
+
+
+def _round_up(x):
+  """x rounded up by a relative 2 eps and an absolute tiny; -inf stays -inf
+  (a block whose keys all have bias -inf has no mass), +inf and NaN stay."""
+  dt = x.dtype
+  up = x + jnp.abs(x) * 2 * jnp.finfo(dt).eps + jnp.finfo(dt).tiny
+  return jnp.where(x == -jnp.inf, x, up)
+
+
+def _keep_rule(s, pos, policy, *, delta, n_keys, log_extra=None):
+  """The policy's kept set among the scored keys of each row.
+
+  The rule of ``jaxtopk.select`` (``select_rows``) on these logits; for
+  ``Certified`` with ``log_extra`` (the unscored blocks' mass bound U) the
+  budget is eps (Z_S + U) and U counts as dropped (THEORY 6.2).
+
+  Args:
+    s: ``[..., n]`` stop-gradient logits (compute dtype).
+    pos: ``[..., n]`` bool scored real keys of positive mass (finite logit).
+    policy: the policy.
+    delta: ``[...]`` logit rounding bound of each row.
+    n_keys: static key count of the whole row (for counts and margins).
+    log_extra: optional ``[...]`` log U.
+
+  Returns:
+    ``[..., n]`` bool kept set, a subset of ``pos``.
+  """
+  if isinstance(policy, selection.Dense):
+    return pos
+  if isinstance(policy, selection.FixedCount):
+    n_real = jnp.sum(pos, axis=-1, dtype=jnp.int32)
+    return selection.topk_mask(s, policy.row_num_kept(n_real, n_keys), pos)
+  dt = s.dtype
+  lse = logsumexp(s, axis=-1, where=pos)
+  lse = jnp.where(jnp.any(pos, -1), lse, -jnp.inf)
+  if log_extra is not None:
+    lse = jnp.logaddexp(lse, log_extra)
+  margin = core.search_log_margin(n_keys, delta, dt)
+  log_budget = jnp.log(jnp.asarray(policy.eps, dt)) + lse - margin
+  keep = selection.budget_mask(s, log_budget, pos, log_extra)
+  if policy.max_topk is not None and policy.max_topk < s.shape[-1]:
+    capped = selection.topk_mask(s, policy.max_topk, pos)
+    over = jnp.sum(keep, -1) > policy.max_topk
+    keep = jnp.where(over[..., None], capped, keep)
+  return keep & pos
+
+
+# ---------------------------------------------------------------------------
+# Per-call preparation: head-major arrays, norms, key-block summaries.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static sizes of one call."""
+
+  b: int
+  t: int
+  h: int
+  hk: int
+  g: int
+  d: int
+  dv: int
+  s: int  # kv_len
+  bq: int  # query rows per tile
+  tp: int  # padded q_len (multiple of bq)
+  bs: int  # key block size (summaries; search blocks)
+  sp: int  # padded kv_len (multiple of bs)
+  causal: bool
+  kind: str
+
+  @property
+  def nt(self):
+    return self.tp // self.bq
+
+  @property
+  def nb(self):
+    return self.sp // self.bs
+
+
+def _prepare(query, key, value, mask, bias, plan, values_bound):
+  """Head-major, padded arrays and per-key / per-block summaries."""
+  p = plan
+  dt = core.compute_dtype(jnp.result_type(query.dtype, key.dtype))
+  # Flush flags read the inputs' own bits (before any cast).
+  q_fl = core.flushed(query)  # [b, t, h]
+  k_fl = core.flushed(key)  # [b, s, hk]
+  q_nrm = core.norms_up(query)  # [b, t, h]
+  k_nrm = core.norms_up(key)  # [b, s, hk]
+
+  def qmajor(x):  # [b, t, h, ...] -> [b, hk, g, tp, ...]
+    x = x.reshape(p.b, p.t, p.hk, p.g, *x.shape[3:])
+    x = jnp.moveaxis(x, 1, 3)
+    return _pad_axis(x, 3, p.tp, 0)
+
+  def kmajor(x, fill=0):  # [b, s, hk, ...] -> [b, hk, sp, ...]
+    return _pad_axis(jnp.moveaxis(x, 1, 2), 2, p.sp, fill)
+
+  arr = dict(
+    q=qmajor(query.astype(dt)),  # [b, hk, g, tp, d]
+    q_nrm=qmajor(q_nrm),  # [b, hk, g, tp]
+    q_fl=qmajor(q_fl),
+    k=kmajor(key.astype(dt)),  # [b, hk, sp, d]
+    v=kmajor(value.astype(dt)),  # [b, hk, sp, dv]
+  )
+  nb, bs = p.nb, p.bs
+  kb = arr["k"].reshape(p.b, p.hk, nb, bs, p.d)
+  sg = jax.lax.stop_gradient
+  arr["blk_knrm"] = jnp.max(kmajor(k_nrm).reshape(p.b, p.hk, nb, bs), -1)
+  arr["blk_kfl"] = jnp.any(kmajor(k_fl, False).reshape(p.b, p.hk, nb, bs), -1)
+  arr["blk_kabs"] = jnp.max(jnp.abs(sg(kb)), axis=3)  # [b, hk, nb, d]
+  if values_bound:
+    vn = kmajor(core.value_norms(sg(value)))  # [b, hk, sp]; NaN = broken
+    arr["vn"] = vn
+    arr["blk_vn"] = jnp.max(vn.reshape(p.b, p.hk, nb, bs), -1)
+  if p.kind == "search":
+    key_real = jnp.arange(p.sp) < p.s  # padding keys are not real
+    box = theory.box_summary(sg(arr["k"]), block_size=bs, mask=key_real)
+    arr["box"] = box
+  arr["mask"] = _to5(mask, p.b, p.hk, p.g)
+  arr["bias"] = _to5(bias, p.b, p.hk, p.g)
+  for name, fill in (("mask", False), ("bias", 0.0)):
+    x = arr[name]
+    if x is not None and x.shape[3] != 1:
+      arr[name] = _pad_axis(x, 3, p.tp, fill)
+  if arr["bias"] is not None:
+    arr["bias"] = arr["bias"].astype(dt)
+  return arr, dt
+
+
+def _visible_blocks(p, qpos, nbl, mask_t):
+  """``[b|1, hk|1, g|1, bq, nbl]`` bool: the block holds a key the row sees.
+
+  Also returns the count of such keys ``[..., bq, nbl]`` (int32).
+  """
+  bs = p.bs
+  start = jnp.arange(nbl) * bs  # [nbl]
+  hi = jnp.full(qpos.shape, p.s, jnp.int32)  # keys [0, hi) are visible
+  if p.causal:
+    hi = jnp.minimum(hi, qpos + 1)
+  cnt = jnp.clip(hi[:, None] - start[None, :], 0, bs)  # [bq, nbl]
+  cnt = cnt[None, None, None]
+  if mask_t is not None and mask_t.shape[4] != 1:
+    # A full mask: count its True entries per block (one pass per tile).
+    m = _pad_axis(mask_t[..., : nbl * bs], 4, nbl * bs, False)
+    m = m.reshape(*m.shape[:4], nbl, bs)
+    cols = jnp.arange(nbl * bs).reshape(nbl, bs)
+    see = cols[None, :, :] < hi[:, None, None]  # [bq, nbl, bs]
+    cnt = jnp.sum(m & see, axis=-1, dtype=jnp.int32)
+  elif mask_t is not None:  # broadcast over keys: all or nothing per row
+    cnt = jnp.where(mask_t, cnt, 0)
+  return cnt > 0, cnt
+
+
+def _row_logit_error(p, arr, q_t, qn_t, qfl_t, vis_blk, bias_abs, scale):
+  """``[b, hk, g, bq]`` delta: |computed - exact logit| for every key a row
+  sees (``core.logit_error_bound`` over the blocks it can see)."""
+  nbl = vis_blk.shape[-1]
+  kn = arr["blk_knrm"][:, :, None, None, :nbl]  # [b, hk, 1, 1, nbl]
+  k_norm = jnp.max(jnp.where(vis_blk, kn, 0.0), -1)
+  fl = arr["blk_kfl"][:, :, None, None, :nbl]
+  k_fl = jnp.any(vis_blk & fl, -1)
+  a = core.abs_dot_box(
+    jax.lax.stop_gradient(q_t), arr["blk_kabs"][:, :, None, :nbl]
+  )  # [b, hk, g, bq, nbl]
+  abs_dot = jnp.max(jnp.where(vis_blk, a, 0.0), -1)
+  return core.logit_error_bound(
+    q_norm=qn_t,
+    k_norm=k_norm,
+    head_dim=p.d,
+    scale=scale,
+    abs_dot=abs_dot,
+    q_flushed=qfl_t,
+    k_flushed=k_fl,
+    bias_abs=bias_abs,
+  )
+
+
+def _bias_abs(bias_cols, real):
+  """max |bias| over a row's real keys whose bias is finite (or None)."""
+  if bias_cols is None:
+    return None
+  b = jax.lax.stop_gradient(bias_cols)
+  ok = real & jnp.isfinite(b)
+  return jnp.max(jnp.where(ok, jnp.abs(b), 0.0), -1)
+
+
+# ---------------------------------------------------------------------------
+# The two engines. A tile function returns (core.Partial, keep or None) for
+# rows [i bq, (i + 1) bq) of every batch and head.
+
+
+@dataclasses.dataclass
+class _Ctx:
+  """What every tile of one call reads (arrays are traced)."""
+
+  p: _Plan
+  arr: dict
+  dt: object
+  policy: object
+  scale: object
+  values_bound: bool
+  return_keep: bool
+  first_round: int
+
+
+def _tile_rows(c, i):
+  """The tile's queries, their norms and flush flags, mask and bias rows."""
+  q0 = i * c.p.bq
+  sl = lambda x: lax.dynamic_slice_in_dim(x, q0, c.p.bq, axis=3)  # noqa: E731
+  return (
+    q0 + jnp.arange(c.p.bq),  # qpos [bq]
+    sl(c.arr["q"]),  # [b, hk, g, bq, d]
+    sl(c.arr["q_nrm"]),  # [b, hk, g, bq]
+    sl(c.arr["q_fl"]),
+    _rows_of(c.arr["mask"], q0, c.p.bq),
+    _rows_of(c.arr["bias"], q0, c.p.bq),
+  )
+
+
+def _pv(v):
+  """The value_fn of ``core.Partial.from_logits``: weights times values."""
+  return lambda w: jnp.einsum("bkgqs,bksd->bkgqd", w, v, precision=HIGHEST)
+
+
+def _scan_all_tile(c, length, i):
+  """One query tile against every key in [0, length) it can see."""
+  p, arr = c.p, c.arr
+  qpos, q_t, qn_t, qfl_t, mask_t, bias_t = _tile_rows(c, i)
+  cols = jnp.arange(length)
+  real = (cols < p.s)[None, :] & jnp.ones((p.bq, 1), bool)  # [bq, L]
+  if p.causal:
+    real = real & (cols[None, :] <= qpos[:, None])
+  real = real[None, None, None]  # [1, 1, 1, bq, L]
+  if mask_t is not None:
+    real = real & (mask_t if mask_t.shape[4] == 1 else mask_t[..., :length])
+  k = arr["k"][:, :, :length]  # [b, hk, L, d]
+  s = jnp.einsum("bkgqd,bksd->bkgqs", q_t, k, precision=HIGHEST)
+  s = s * c.scale  # [b, hk, g, bq, L]
+  bias_cols = None
+  if bias_t is not None:
+    bias_cols = bias_t if bias_t.shape[4] == 1 else bias_t[..., :length]
+    s = s + bias_cols
+  real = jnp.broadcast_to(real, s.shape)
+  vis_blk, _ = _visible_blocks(p, qpos, _cdiv(length, p.bs), mask_t)
+  delta = _row_logit_error(
+    p, arr, q_t, qn_t, qfl_t, vis_blk, _bias_abs(bias_cols, real), c.scale
+  )  # [b, hk, g, bq]
+  sgs = jax.lax.stop_gradient(s)
+  pos = real & (sgs > -jnp.inf)
+  keep = _keep_rule(sgs, pos, c.policy, delta=delta, n_keys=p.s)
+  vn = arr["vn"][:, :, None, None, :length] if c.values_bound else None
+  part = core.Partial.from_logits(
+    s,
+    keep,
+    real,
+    logit_error=delta,
+    value_fn=_pv(arr["v"][:, :, :length]),
+    value_norms=vn,
+  )
+  full = _pad_axis(keep, 4, p.sp, False) if c.return_keep else None
+  return part, full
+
+
+def _round_sizes(nb, first):
+  """Blocks scored per round: first, first, 2 first, 4 first, ... (sum nb)."""
+  sizes, total, r = [], 0, max(1, min(first, nb))
+  while total < nb:
+    r = min(r, nb - total)
+    sizes.append(r)
+    total += r
+    r = total  # each later round doubles the total
+  return sizes
+
+
+def _search_tile(c, i):
+  """One query tile: Delta-Search over key blocks in batched rounds."""
+  p, arr, dt, policy = c.p, c.arr, c.dt, c.policy
+  bs, nb = p.bs, p.nb
+  sg = jax.lax.stop_gradient
+  qpos, q_t, qn_t, qfl_t, mask_t, bias_t = _tile_rows(c, i)
+  lead = (p.b, p.hk, p.g, p.bq)
+  vis_blk, cnt = _visible_blocks(p, qpos, nb, mask_t)
+  vis_blk = jnp.broadcast_to(vis_blk, (*lead, nb))
+  cnt = jnp.broadcast_to(cnt, (*lead, nb))
+
+  # A full-width mask or bias is read at the gathered key positions.
+  def at_cols(x, pos):
+    x = jnp.broadcast_to(x, (*lead, x.shape[4]))
+    pc = jnp.minimum(pos, p.s - 1)[:, :, None, None, :]
+    pc = jnp.broadcast_to(pc, (*lead, pc.shape[-1]))
+    return jnp.take_along_axis(x, pc, -1)
+
+  bias_blk = bias_abs = None
+  if bias_t is not None:
+    bias_blk, bias_abs = _bias_blocks(p, sg(bias_t), qpos, mask_t, vis_blk)
+  delta = _row_logit_error(p, arr, q_t, qn_t, qfl_t, vis_blk, bias_abs, c.scale)
+
+  # Sound bound on each block's EXACT logits, per row: the box bound on the
+  # logits of the inputs as read (rounding included), widened by delta
+  # (which covers what flushed subnormal inputs drop), plus the block's
+  # largest bias. log_mass = log(count e^u); +inf (scored first, never
+  # certified away) where the bound is not a number or a value is broken.
+  u = selection.box_upper_bound_dot(
+    sg(q_t).reshape(p.b, p.hk, p.g * p.bq, p.d), arr["box"], scale=c.scale
+  ).reshape(*lead, nb)
+  u = u + delta[..., None]
+  if bias_blk is not None:
+    u = _round_up(u + bias_blk)
+  log_mass = u + jnp.log(jnp.maximum(cnt, 1).astype(dt))
+  log_mass = jnp.where(jnp.isnan(log_mass), jnp.inf, log_mass)
+  if c.values_bound:
+    bad = jnp.isnan(arr["blk_vn"])[:, :, None, None, :]
+    log_mass = jnp.where(bad, jnp.inf, log_mass)
+  log_mass = jnp.where(vis_blk, log_mass, -jnp.inf)  # [b, hk, g, bq, nb]
+
+  n_terms = p.sp + nb
+  target = jnp.log(jnp.asarray(policy.eps, dt)) - core.search_log_margin(
+    n_terms, delta, dt
+  )
+  kb = arr["k"].reshape(p.b, p.hk, nb, bs, p.d)
+  vb = arr["v"].reshape(p.b, p.hk, nb, bs, p.dv)
+
+  def unscored_log(scored_blk):
+    lm = jnp.where(scored_blk[:, :, None, None, :], -jnp.inf, log_mass)
+    return logsumexp(lm, axis=-1)  # [b, hk, g, bq]; -inf when none
+
+  def certified(lse_s, log_un):
+    """THEORY 6.2's stopping rule with every scored key kept."""
+    norm = jnp.logaddexp(lse_s, log_un)
+    return (log_un == -jnp.inf) | (log_un - norm <= target), norm
+
+  def key_pos(idx):
+    """Key positions ``[b, hk, R bs]`` of blocks ``idx`` ``[b, hk, R]``."""
+    return (idx[..., None] * bs + jnp.arange(bs)).reshape(*idx.shape[:2], -1)
+
+  def score(idx, ok):
+    """Logits (with gradient) and real-key mask of blocks ``idx``."""
+    r = idx.shape[-1]
+    kg = jnp.take_along_axis(kb, idx[..., None, None], axis=2)
+    kg = kg.reshape(p.b, p.hk, r * bs, p.d)  # [b, hk, r bs, d]
+    s = jnp.einsum("bkgqd,bksd->bkgqs", q_t, kg, precision=HIGHEST)
+    s = s * c.scale  # [b, hk, g, bq, r bs]
+    pos = key_pos(idx)
+    real = (jnp.repeat(ok, bs, axis=-1) & (pos < p.s))[:, :, None, None, :]
+    if p.causal:
+      real = real & (pos[:, :, None, None, :] <= qpos[:, None])
+    if mask_t is not None:
+      real = real & (mask_t if mask_t.shape[4] == 1 else at_cols(mask_t, pos))
+    if bias_t is not None:
+      s = s + (bias_t if bias_t.shape[4] == 1 else at_cols(bias_t, pos))
+    return s, jnp.broadcast_to(real, s.shape)
+
+  def lse_pos(s, real):
+    ok = real & (s > -jnp.inf)
+    lse = logsumexp(s, axis=-1, where=ok)
+    return jnp.where(jnp.any(ok, -1), lse, -jnp.inf)
+
+  def finish(chunks, scored_blk):
+    log_un = unscored_log(scored_blk)
+    idx = jnp.concatenate([x[0] for x in chunks], -1)  # [b, hk, S]
+    s = jnp.concatenate([x[1] for x in chunks], -1)  # [b, hk, g, bq, S bs]
+    real = jnp.concatenate([x[2] for x in chunks], -1)
+    r = idx.shape[-1]
+    sgs = sg(s)
+    pos = real & (sgs > -jnp.inf)
+    keep = _keep_rule(
+      sgs, pos, policy, delta=delta, n_keys=n_terms, log_extra=log_un
+    )
+    vg = jnp.take_along_axis(vb, idx[..., None, None], axis=2)
+    vn = norms = None
+    if c.values_bound:
+      vnb = arr["vn"].reshape(p.b, p.hk, nb, bs)
+      vn = jnp.take_along_axis(vnb, idx[..., None], axis=2)
+      vn = vn.reshape(p.b, p.hk, 1, 1, r * bs)
+      bn = jnp.where(jnp.isnan(arr["blk_vn"]), 0.0, arr["blk_vn"])
+      norms = jnp.broadcast_to(bn[:, :, None, None, :], (*lead, nb))
+    part = core.Partial.from_logits(
+      s,
+      keep,
+      real,
+      logit_error=delta,
+      value_fn=_pv(vg.reshape(p.b, p.hk, r * bs, p.dv)),
+      value_norms=vn,
+    )
+    unscored = vis_blk & ~scored_blk[:, :, None, None, :]
+    part = part.add_tail(log_mass, unscored, norms=norms)
+    full = None
+    if c.return_keep:
+      cols = jnp.broadcast_to(key_pos(idx)[:, :, None, None, :], keep.shape)
+      # A round slot with no block left to score repeats some block index
+      # (possibly a scored one): only kept keys are written (positions of
+      # kept keys are unique), the rest dropped out of range.
+      cols = jnp.where(keep, cols, p.sp)
+      full = jnp.zeros((*lead, p.sp), bool)
+      full = jnp.put_along_axis(
+        full, cols, keep, -1, inplace=False, mode="drop"
+      )
+    return part, full
+
+  sizes = _round_sizes(nb, c.first_round)
+
+  def run(j, chunks, scored_blk, lse_s):
+    log_un = unscored_log(scored_blk)
+    done, norm = certified(lse_s, log_un)
+    # Priority of a block: its bound relative to the mass of the rows that
+    # still need blocks (the largest over those rows).
+    # (A row whose norm is still +inf, from a block with an infinite bound,
+    # ranks its blocks by their bound alone: every block a row still needs
+    # has a priority above -inf, so the rounds, whose sizes add up to nb,
+    # score all of them before the last round ends.)
+    norm = jnp.where(jnp.isfinite(norm), norm, 0.0)
+    rel = sg(log_mass) - norm[..., None]
+    rel = jnp.where(jnp.isnan(rel), jnp.inf, rel)
+    rel = jnp.where(done[..., None], -jnp.inf, rel)
+    prio = jnp.where(scored_blk, -jnp.inf, jnp.max(rel, axis=(2, 3)))
+    val, idx = lax.top_k(prio, sizes[j])  # [b, hk, R]
+    ok = val > -jnp.inf
+    s, real = score(idx, ok)
+    lse_s = jnp.logaddexp(lse_s, lse_pos(sg(s), real))
+    hit = (idx[..., None] == jnp.arange(nb)) & ok[..., None]
+    scored_blk = scored_blk | jnp.any(hit, axis=-2)  # [b, hk, nb]
+    chunks = [*chunks, (idx, s, real)]
+    if j == len(sizes) - 1:
+      return finish(chunks, scored_blk)
+    done, _ = certified(lse_s, unscored_log(scored_blk))
+    return lax.cond(
+      jnp.all(done),
+      lambda ch, sb, ls: finish(ch, sb),
+      lambda ch, sb, ls: run(j + 1, ch, sb, ls),
+      chunks,
+      scored_blk,
+      lse_s,
+    )
+
+  lse0 = jnp.full(lead, -jnp.inf, dt)
+  return run(0, [], jnp.zeros((p.b, p.hk, nb), bool), lse0)
+
+
+def _bias_blocks(p, bias_t, qpos, mask_t, vis_blk):
+  """Per row and key block: the largest bias (NaN propagates), and per row
+  the largest finite |bias| over the keys it sees."""
+  nb, bs = p.nb, p.bs
+  if bias_t.shape[4] == 1:
+    blk = jnp.broadcast_to(bias_t, (*bias_t.shape[:4], nb))
+    fin = jnp.isfinite(bias_t[..., 0]) & jnp.any(vis_blk, -1)
+    return blk, jnp.where(fin, jnp.abs(bias_t[..., 0]), 0.0)
+  bp = _pad_axis(bias_t[..., : p.s], 4, p.sp, -jnp.inf)
+  bp = bp.reshape(*bp.shape[:4], nb, bs)  # [.., bq, nb, bs]
+  hi = jnp.minimum(qpos + 1, p.s) if p.causal else jnp.full_like(qpos, p.s)
+  see = jnp.arange(p.sp).reshape(nb, bs)[None] < hi[:, None, None]
+  if mask_t is not None:
+    if mask_t.shape[4] == 1:
+      see = see & mask_t[..., None]
+    else:
+      mp = _pad_axis(mask_t[..., : p.s], 4, p.sp, False)
+      see = see & mp.reshape(*mp.shape[:4], nb, bs)
+  fin = see & jnp.isfinite(bp)
+  return jnp.max(bp, -1), jnp.max(jnp.where(fin, jnp.abs(bp), 0.0), (-2, -1))
+
+
+# ---------------------------------------------------------------------------
+# The driver.
+
+
+def _bands(nt, max_bands):
+  """Consecutive tile ranges [(i0, i1)], at most ``max_bands`` of them."""
+  n = min(nt, max_bands)
+  edges = [round(j * nt / n) for j in range(n + 1)]
+  return [(a, b) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
+
+
+def blockwise_attention(
+  query,
+  key,
+  value,
+  *,
+  policy,
+  mask=None,
+  bias=None,
+  is_causal=False,
+  scale,
+  scale_ok=True,
+  values_bound=True,
+  block_sizes=None,
+  return_keep=False,
+):
+  """Blockwise Top-k attention (see the module docstring); arguments checked.
+
+  Args:
+    query: ``[batch, q_len, num_heads, head_dim]`` (q_len >= 1).
+    key: ``[batch, kv_len, num_kv_heads, head_dim]`` (kv_len >= 1).
+    value: ``[batch, kv_len, num_kv_heads, head_dim_v]``.
+    policy: a policy this path supports (``SUPPORTS``).
+    mask: None or bool broadcastable to ``[batch, num_heads, q_len, kv_len]``.
+    bias: None or float, same broadcasting; -inf = a key of zero mass.
+    is_causal: top-left aligned causal mask (Python bool).
+    scale: logit scale, a Python float or a 0-d array (traced is fine).
+    scale_ok: bool (or 0-d array): whether a traced scale is finite and > 0.
+    values_bound: whether the certificate carries output_error_bound.
+    block_sizes: ``BlockSizes`` (default ``BlockSizes.get_default()``).
+    return_keep: also return the kept set ``[batch, num_heads, q_len,
+      kv_len]`` (tests and analysis only: it is the size of the logits).
+
+  Returns:
+    ``(output, certificate)`` or ``(output, certificate, keep)``: output
+    ``[batch, q_len, num_heads, head_dim_v]`` in query's dtype, Certificate
+    arrays ``[batch, q_len, num_heads]``.
+  """
+  bsz = block_sizes or BlockSizes.get_default()
+  b, t, h, d = query.shape
+  s, hk = key.shape[1], key.shape[2]
+  kind = kind_of(policy)
+  bs = policy.block_size if kind == "search" else min(_SUMMARY_BLOCK, s)
+  bq = min(bsz.block_q, t)
+  plan = _Plan(
+    b=b,
+    t=t,
+    h=h,
+    hk=hk,
+    g=h // hk,
+    d=d,
+    dv=value.shape[3],
+    s=s,
+    bq=bq,
+    tp=_cdiv(t, bq) * bq,
+    bs=bs,
+    sp=_cdiv(s, bs) * bs,
+    causal=bool(is_causal),
+    kind=kind,
+  )
+  arr, dt = _prepare(query, key, value, mask, bias, plan, values_bound)
+  ctx = _Ctx(
+    p=plan,
+    arr=arr,
+    dt=dt,
+    policy=policy,
+    scale=jnp.asarray(scale, dt) if not isinstance(scale, float) else scale,
+    values_bound=values_bound,
+    return_keep=return_keep,
+    first_round=bsz.first_round,
+  )
+  n_terms = plan.sp + plan.nb if kind == "search" else s
+
+  def tile(fn):
+    def one(i):
+      part, keep = fn(i)
+      o, cert = part.finalize(n_terms=n_terms, scale_ok=scale_ok)
+      return o, cert, keep
+
+    return jax.checkpoint(one)
+
+  if kind == "search":
+    groups = [((0, plan.nt), functools.partial(_search_tile, ctx))]
+  else:
+    ranges = _bands(plan.nt, bsz.max_bands) if plan.causal else [(0, plan.nt)]
+    # A causal band's last row sees keys [0, i1 bq); others see them all.
+    length = lambda i1: min(s, i1 * bq) if plan.causal else s  # noqa: E731
+    groups = [
+      ((i0, i1), functools.partial(_scan_all_tile, ctx, length(i1)))
+      for i0, i1 in ranges
+    ]
+  outs = [lax.map(tile(fn), jnp.arange(i0, i1)) for (i0, i1), fn in groups]
+  o, cert, keep = jax.tree.map(lambda *x: jnp.concatenate(x, 0), *outs)
+
+  def to_bth(x):  # [nt, b, hk, g, bq, ...] -> [b, t, h, ...]
+    x = jnp.moveaxis(x, 0, 3)  # [b, hk, g, nt, bq, ...]
+    x = x.reshape(b, hk, plan.g, plan.tp, *x.shape[5:])[:, :, :, :t]
+    x = jnp.moveaxis(x, 3, 1)  # [b, t, hk, g, ...]
+    return x.reshape(b, t, h, *x.shape[4:])
+
+  out = to_bth(o).astype(query.dtype)
+  cert = jax.tree.map(to_bth, cert)
+  if not return_keep:
+    return out, cert
+  keep = jnp.moveaxis(keep, 0, 3).reshape(b, hk, plan.g, plan.tp, plan.sp)
+  keep = keep[:, :, :, :t, :s].reshape(b, h, t, s)
+  return out, cert, keep
