@@ -53,19 +53,7 @@ from tests.contract import variants as var
 # empties it at merge time as the owners of these paths land their fixes
 # (an entry that passes fails the test: remove it). Every cell here still
 # runs all its checks; the xfail message lists what failed.
-_LAYERS = ("flax_layer", "attention_fn")
-_LAYER_TRIVIAL = (
-  "Flax layer / attention_fn on the blockwise prefill: eps not met (a"
-  " trivial but sound tv_bound = 1) on 'mixed' rows of huge and subnormal"
-  " components, where topk_attention itself meets it: not yet traced"
-)
-EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
-  **{
-    (v, p, "contract"): _LAYER_TRIVIAL
-    for v in _LAYERS
-    for p in ("cert_exact", "cert_delta", "cert_lowrank")
-  },
-}
+EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {}
 
 _SOAK = os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
 # Examples per cell: many cells share the CI budget; soak draws 500.
