@@ -208,13 +208,11 @@ def _keep_rule(s, pos, policy, *, delta, n_keys, log_extra=None):
     n_real = jnp.sum(pos, axis=-1, dtype=jnp.int32)
     return selection.topk_mask(s, policy.row_num_kept(n_real, n_keys), pos)
   dt = s.dtype
-  lse = logsumexp(s, axis=-1, where=pos)
-  lse = jnp.where(jnp.any(pos, -1), lse, -jnp.inf)
-  if log_extra is not None:
-    lse = jnp.logaddexp(lse, log_extra)
   margin = core.search_log_margin(n_keys, delta, dt)
-  log_budget = jnp.log(jnp.asarray(policy.eps, dt)) + lse - margin
-  keep = selection.budget_mask(s, log_budget, pos, log_extra)
+  # A budget relative to the row's mass (Z_S + U): the threshold's first
+  # histogram pass gives Z_S, no separate log-sum-exp pass.
+  log_frac = jnp.log(jnp.asarray(policy.eps, dt)) - margin
+  keep = selection.budget_mask(s, log_frac, pos, log_extra, relative=True)
   if policy.max_topk is not None and policy.max_topk < s.shape[-1]:
     capped = selection.topk_mask(s, policy.max_topk, pos)
     over = jnp.sum(keep, -1) > policy.max_topk
