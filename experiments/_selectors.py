@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtopk import theory
+from jaxtopk.selection import core
 
 # Ranking value given to masked keys; used only to order keys, never inside a
 # softmax (masked keys are removed with ``where``).
@@ -266,7 +267,7 @@ def select_attend(q, k, v, mask, selector, rng):
     logits); ``tv`` (the dropped mass of the float32 logits, THEORY 2.1);
     ``tv_bound`` (a sound bound on the dropped mass of the exact logits:
     ``jaxtopk.theory.blockwise_bound`` with every key scored and the
-    float32 rounding of the logits from ``theory.logit_rounding_bound``);
+    float32 rounding of the logits from ``selection.core.logit_error_of``);
     ``entropy`` (of the dense row, THEORY 8.4).
   """
   scale = q.shape[-1] ** -0.5
@@ -280,7 +281,7 @@ def select_attend(q, k, v, mask, selector, rng):
   kept = jnp.sum(keep, axis=-1)
   top = exact_topk_keep(logits, mask, kept, logits.shape[-1])
   keys = jnp.broadcast_to(k32[:, :, None], (*logits.shape, k.shape[-1]))
-  err = theory.logit_rounding_bound(sg(q32), sg(keys), scale=scale, mask=mask)
+  err = core.logit_error_of(sg(q32), sg(keys), mask, scale=scale)
   no_blocks = jnp.zeros((*logits.shape[:-1], 1))  # every key is scored
   info = dict(
     kept=kept,

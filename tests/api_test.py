@@ -46,12 +46,10 @@ ALLOWED = {name: set(_STACK[:i]) for i, name in enumerate(_STACK)}
 ALLOWED["parallel"] = {"theory", "selection", "attention"}
 ALLOWED["tasks"] = set()
 
-# file -> private modules of OTHER packages it imports today (issue 16: to be
-# replaced by documented internal APIs by the owners of these files; see
-# BUILD_NOTES "House layout").
-KNOWN_PRIVATE_IMPORTS = {
-  "selection/_search.py": {"jaxtopk.theory._blockwise"},
-}
+# file -> private modules of OTHER packages it imports. Empty since issue 13:
+# every layer uses the public or documented internal API (e.g.
+# jaxtopk.selection.core); keep it empty.
+KNOWN_PRIVATE_IMPORTS = {}
 
 
 def _modules():

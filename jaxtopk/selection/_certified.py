@@ -32,24 +32,6 @@ SUPPORTS = _policies.capabilities(
 )
 
 
-def _row_logit_error(q, k, real, scale):
-  """``[r]`` delta of every logit q.k_i * scale of each row (core)."""
-  d = q.shape[-1]
-  kn = core.norms_up(k)  # [r, n]
-  k_norm = jnp.max(jnp.where(real, kn, 0.0), -1)  # [r]
-  k_absmax = jnp.max(jnp.where(real[..., None], jnp.abs(k), 0.0), -2)
-  abs_dot = core.abs_dot_box(q[:, None], k_absmax[:, None])[:, 0, 0]
-  return core.logit_error_bound(
-    q_norm=core.norms_up(q),
-    k_norm=k_norm,
-    head_dim=d,
-    scale=scale,
-    abs_dot=abs_dot,
-    q_flushed=core.flushed(q),
-    k_flushed=jnp.any(real & core.flushed(k), -1),
-  )
-
-
 @functools.partial(
   jax.jit, static_argnames=("policy", "scale", "use_ball", "with_values")
 )
@@ -76,7 +58,7 @@ def _certified_search(
   q = q_in.astype(dt)  # [r, d]
   k = k_in.astype(dt)  # [r, n, d]
   v_ok = valid.reshape(-1, n)
-  delta = _row_logit_error(q_in, k_in, v_ok, scale)  # [r]
+  delta = core.logit_error_of(q_in, k_in, v_ok, scale=scale)  # [r]
   norms = None
   if with_values:
     norms = core.value_norms(values).reshape(-1, n)

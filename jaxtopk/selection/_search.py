@@ -35,10 +35,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy.special import logsumexp
 
+from jaxtopk import theory
 from jaxtopk.selection import _strategies
 from jaxtopk.selection import core
 from jaxtopk.selection import threshold
-from jaxtopk.theory import _blockwise
 
 
 def scored_search_row(q, kb, vb, log_mass, *, scale, log_eps, margin):
@@ -117,11 +117,11 @@ def block_bounds(query, keys, valid, *, block_size, scale, use_ball=True):
     ``(u, count, box)``: ``[..., nb]`` bounds (-inf for empty blocks),
     ``[..., nb]`` int32 counts, and the BoxSummary.
   """
-  box = _blockwise.box_summary(keys, block_size=block_size, mask=valid)
-  u = _blockwise.box_upper_bound(query, box, scale=scale)
+  box = theory.box_summary(keys, block_size=block_size, mask=valid)
+  u = theory.box_upper_bound(query, box, scale=scale)
   if use_ball:
-    ball = _blockwise.ball_summary(keys, block_size=block_size, mask=valid)
-    u = jnp.minimum(u, _blockwise.ball_upper_bound(query, ball, scale=scale))
+    ball = theory.ball_summary(keys, block_size=block_size, mask=valid)
+    u = jnp.minimum(u, theory.ball_upper_bound(query, ball, scale=scale))
   return u, box.count, box
 
 

@@ -63,6 +63,7 @@ Names (one line each):
 - ``logit_output_error(logit_error, head_norm)``: how far logits off by
   delta move the computed output from Attn_k (added by
   ``finish_certificate``).
+- ``logit_error_of(q, k, real, *, scale)``: that bound from the inputs.
 - ``finish_certificate(...)``: log tv + validity + counts -> Certificate.
 - ``certificate_from_logits(...)``: the Certificate of a kept set when every
   logit of the row is known.
@@ -336,6 +337,38 @@ def logit_error_bound(
   delta = delta * (1 + 8 * eps) + 8 * tiny  # rounding of this formula
   delta = jnp.where(overflow | jnp.isnan(delta), jnp.inf, delta)
   return jax.lax.stop_gradient(delta)
+
+
+def logit_error_of(q, k, real, *, scale) -> jax.Array:
+  """``logit_error_bound`` of rows given their query and keys.
+
+  The norms, the box abs-dot bound and the subnormal flags formed from the
+  inputs as given (before any cast), over the real keys only.
+
+  Args:
+    q: ``[..., d]`` queries.
+    k: ``[..., n, d]`` keys (leading axes broadcast with ``q``'s).
+    real: ``[..., n]`` bool, the keys that count.
+    scale: positive logit scale.
+
+  Returns:
+    ``[...]`` delta (``logit_error_bound``).
+  """
+  q, k = jnp.asarray(q), jnp.asarray(k)
+  real = jnp.asarray(real, bool)
+  kn = norms_up(k)  # [..., n]
+  k_norm = jnp.max(jnp.where(real, kn, 0.0), -1)
+  k_absmax = jnp.max(jnp.where(real[..., None], jnp.abs(k), 0.0), -2)
+  abs_dot = abs_dot_box(q[..., None, :], k_absmax[..., None, :])[..., 0, 0]
+  return logit_error_bound(
+    q_norm=norms_up(q),
+    k_norm=k_norm,
+    head_dim=q.shape[-1],
+    scale=scale,
+    abs_dot=abs_dot,
+    q_flushed=flushed(q),
+    k_flushed=jnp.any(real & flushed(k), -1),
+  )
 
 
 def tail_log_bound(log_head, log_tail, *, err, n_terms, logit_error, ok):

@@ -11,7 +11,6 @@ from jaxtopk.theory._blockwise import blockwise_bound
 from jaxtopk.theory._blockwise import blockwise_log_bound
 from jaxtopk.theory._blockwise import box_summary
 from jaxtopk.theory._blockwise import box_upper_bound
-from jaxtopk.theory._blockwise import logit_rounding_bound
 from jaxtopk.theory._entropy import attention_entropy
 from jaxtopk.theory._gaps import multi_gap_bound
 from jaxtopk.theory._gaps import multi_gap_log_bound

@@ -265,40 +265,6 @@ def blockwise_log_bound_row(
 
 
 @jax.jit
-def logit_rounding_bound(
-  query: Float[ArrayLike, "*b d"],
-  keys: Float[ArrayLike, "*b n d"],
-  *,
-  scale,
-  mask: Bool[ArrayLike, "*b n"] | None = None,
-) -> Float[Array, "*b"]:
-  """Bound on |float logit - exact logit| over a row's keys (THEORY 3.4).
-
-  A d-term float dot product, then the scale, is off by at most
-  (d + 2) eps scale sum_c |q_c k_ic|; this returns the maximum over the real
-  keys, for the ``logit_error=`` argument of the bounds when the logits were
-  computed from q and k in the keys' compute dtype (float32, or float64).
-
-  Args:
-    query: ``[..., head_dim]``.
-    keys: ``[..., n_keys, head_dim]``; leading axes broadcast with query's.
-    scale: positive logit scale.
-    mask: optional ``[..., n_keys]`` bool, False for padded keys.
-
-  Returns:
-    ``[...]`` nonnegative float32 (float64 for float64 input).
-  """
-  k = jnp.asarray(keys)
-  dt = _tail.compute_dtype(jnp.result_type(k, jnp.asarray(query)))
-  q = jnp.asarray(query).astype(dt)[..., None, :]  # [..., 1, d]
-  mag = jnp.sum(jnp.abs(q * k.astype(dt)), axis=-1)  # [..., n]
-  if mask is not None:
-    mag = jnp.where(jnp.asarray(mask, bool), mag, 0.0)
-  d = k.shape[-1]
-  # Slightly more than (d + 2) eps to cover the rounding of this sum too.
-  return (d + 4) * jnp.finfo(dt).eps * scale * jnp.max(mag, axis=-1)
-
-
 def blockwise_log_bound(
   logits: Float[ArrayLike, "*b n"],
   keep: Bool[ArrayLike, "*b n"],
@@ -322,8 +288,9 @@ def blockwise_log_bound(
       block; 0 for blocks that were scored (their keys are in ``scored``).
     mask: optional ``[..., n_keys]`` bool, False for padded keys.
     logit_error: optional ``[...]`` (or scalar) bound delta on how far each
-      given logit may be from the exact one (e.g. ``logit_rounding_bound``
-      when the logits were computed in float32 from q and k); the bound then
+      given logit may be from the exact one (e.g.
+      ``jaxtopk.selection.core.logit_error_of`` when the logits were
+      computed in float32 from q and k); the bound then
       holds for the exact logits: log bound + 2 delta (tail up, head down).
       Without it the bound holds for the logits as given.
 

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxtopk import theory
+from jaxtopk.selection import core
 from tests.theory import strategies
 from tests.theory import truth
 
@@ -62,7 +63,7 @@ def _bounds(q, k, valid, scored_blocks, topk, *, block_size):
   u_ball = theory.ball_upper_bound(q, ball, scale=scale)
   us = {"box": u_box, "ball": u_ball, "min": jnp.minimum(u_box, u_ball)}
   count = jnp.where(scored_blocks[:n_blocks], 0, box.count)
-  err = theory.logit_rounding_bound(q, k, scale=scale, mask=valid)
+  err = core.logit_error_of(q, k, valid, scale=scale)
   out = {}
   for which, u in us.items():
     for exact in (False, True):
