@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
@@ -27,3 +29,28 @@ settings.register_profile(
   suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# Each compiled XLA:CPU executable holds a few memory mappings; a pytest
+# worker compiles thousands of programs, and past vm.max_map_count (65,530 by
+# default on Linux) LLVM's next mapping fails and the worker dies with a
+# segfault inside the compiler (seen in CI with the contract test: ~24,000
+# mappings after 7 minutes in one worker). Dropping jax's caches frees them.
+_MAPS = "/proc/self/maps"
+_MAX_MAPS = 20_000
+
+
+def _num_maps() -> int:
+  try:
+    with open(_MAPS, "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:  # not Linux
+    return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compile_caches():
+  """After a test, clears jax's caches when the process maps too much."""
+  yield
+  if _num_maps() > _MAX_MAPS:
+    jax.clear_caches()

@@ -155,9 +155,9 @@ def cache_shardings(
 ):
   """NamedShardings for a KVCache: positions over ``kv``.
 
-  Keys and values are split along positions; the small block summaries are
-  replicated along ``kv`` (the decode step reads the block value norms of
-  its own positions).
+  Keys, values and per-position value norms are split along positions; the
+  small block and row summaries are replicated along ``kv`` (the decode
+  step reads the block value norms of its own positions).
 
   Returns:
     A KVCache-shaped pytree of NamedSharding for ``jax.device_put``.
@@ -169,6 +169,7 @@ def cache_shardings(
   )
   kv = NamedSharding(mesh, P(b, h, s, None))
   box = NamedSharding(mesh, P(b, h, None, None))  # small: replicated on kv
+  per_row = NamedSharding(mesh, P(b, h))  # [b, hk] summaries
   return type(cache)(
     keys=kv,
     values=kv,
@@ -176,6 +177,11 @@ def cache_shardings(
     kmin=box,
     kmax=box,
     vnorm=NamedSharding(mesh, P(b, h, None)),
+    value_norms=NamedSharding(mesh, P(b, h, s)),  # per position, like keys
+    kabs=NamedSharding(mesh, P(b, h, None)),
+    knorm=per_row,
+    kflushed=per_row,
+    vmax=per_row,
     block_size=cache.block_size,
   )
 

@@ -328,7 +328,12 @@ def budget_threshold(
       inside = inside & (b == bnd[..., None])
     else:
       cut = lo + jnp.minimum(j_star, num_bins).astype(dt) * w
-  t = mm - cut
+  # The bins were read from fl(M - s); callers compare s >= t. Lowered by a
+  # few ulps so that every key a bin counted as kept is kept (the rounding
+  # of M - s, of the bin index and of M - cut may disagree at the edge):
+  # keeping more never loosens the certificate.
+  eps = jnp.finfo(dt).eps
+  t = mm - cut - 8 * eps * (jnp.abs(mm) + cut)
   t = jnp.where(first == 0, jnp.inf, t)  # the budget covers every key
   t = jnp.where(first > num_bins, -jnp.inf, t)  # not even all keys do
   # A budget below n tiny (relative to the max) cannot be told apart from
