@@ -7,6 +7,8 @@ Rows are long enough (N = 128) for the bracket / candidate paths of the XLA
 decode to run, not only the full-row fallbacks.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,9 +16,17 @@ import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
 import jaxtopk
+
+# CI draws 20 examples (compile-bound); HYPOTHESIS_PROFILE=soak draws 500.
+_CI_EXAMPLES = (
+  settings.default.max_examples
+  if os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
+  else 20
+)
 
 N, D, H, BS = 128, 4, 2, 16  # cache length, head dim, heads, block size
 TINY = float(np.finfo(np.float32).tiny)
@@ -94,6 +104,7 @@ def _decode(q, k, length, policy, dtype):
 
 class DecodeSoundnessTest(parameterized.TestCase):
   @pytest.mark.slow  # ~10 compilations (5 policies x 2 dtypes), 60 examples
+  @settings(max_examples=_CI_EXAMPLES)
   @given(
     row=decode_rows(),
     which=st.integers(0, len(POLICIES) - 1),

@@ -6,6 +6,8 @@ query tiles, causal bands, Delta-Search rounds that stop early, unscored
 blocks merged into the tail, GQA, masks and -inf bias.
 """
 
+import os
+
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
@@ -14,11 +16,19 @@ import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
 import jaxtopk
 from jaxtopk.attention import _prefill
 from jaxtopk.attention import _topk
+
+# CI draws 20 examples (compile-bound); HYPOTHESIS_PROFILE=soak draws 500.
+_CI_EXAMPLES = (
+  settings.default.max_examples
+  if os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
+  else 20
+)
 
 T, S, H, HKV, D = 5, 13, 2, 1, 3  # query rows, keys, heads, kv heads, dim
 SMALL = _prefill.BlockSizes(block_q=2, max_bands=2, first_round=1)
@@ -51,6 +61,7 @@ def _truth(q, k, v, real, bias):
 
 
 class BlockwiseSoundnessTest(parameterized.TestCase):
+  @settings(max_examples=_CI_EXAMPLES)
   @given(
     q=hnp.arrays(np.float32, (1, T, H, D), elements=_vals),
     k=hnp.arrays(np.float32, (1, S, HKV, D), elements=_vals),
