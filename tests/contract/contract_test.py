@@ -57,7 +57,7 @@ EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {}
 
 _SOAK = os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
 # Examples per cell: many cells share the CI budget; soak draws 500.
-_EXAMPLES = hypothesis.settings.default.max_examples if _SOAK else 4
+_EXAMPLES = hypothesis.settings.default.max_examples if _SOAK else 2
 _LOWP_POLICY = ("cert_exact", "cert_delta", "dense")
 
 
