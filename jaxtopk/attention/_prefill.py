@@ -286,6 +286,11 @@ def _prepare(query, key, value, mask, bias, plan, values_bound):
   if values_bound:
     vn = kmajor(core.value_norms(sg(value)))  # [b, hk, sp]; NaN = broken
     arr["vn"] = vn
+    # A non-finite value of a key a row does not attend to must change
+    # nothing (0 * inf is NaN in the weighted sum): zero it for the product.
+    # A row that attends to one is still invalid through its NaN norm.
+    v = arr["v"]
+    arr["v"] = jnp.where(jnp.isfinite(v), v, jnp.zeros((), v.dtype))
     arr["blk_vn"] = jnp.max(vn.reshape(p.b, p.hk, nb, bs), -1)
   if p.kind == "search":
     key_real = jnp.arange(p.sp) < p.s  # padding keys are not real
