@@ -36,7 +36,6 @@ from jax import lax
 from jax.scipy.special import logsumexp
 
 from jaxtopk import theory
-from jaxtopk.selection import _strategies
 from jaxtopk.selection import core
 from jaxtopk.selection import threshold
 
@@ -339,42 +338,3 @@ def search_row_partial(
     norms=block_norms,
   )
   return buf, keep, scored, part
-
-
-def search_row(
-  q,
-  keys,
-  valid,
-  u,
-  cnt,
-  abs_dot,
-  rng,
-  *,
-  search,
-  eps,
-  block_size,
-  scale,
-  num_samples=8,
-  delta=0.01,
-):
-  """``search_row_partial`` with the old arguments; returns a log bound.
-
-  ``abs_dot`` >= scale max_i sum_c |q_c k_ic|; subnormal inputs are not
-  covered (no norms). Returns ``(logits, keep, scored, log_tv,
-  keys_scored)``.
-  """
-  # TODO(core): callers switch to search_row_partial (strategy + delta).
-  if search == "delta":
-    strategy = _strategies.DeltaSearch(block_size=block_size)
-  else:
-    strategy = _strategies.MCSearch(
-      block_size=block_size, delta=delta, num_samples=num_samples
-    )
-  d = keys.shape[-1]
-  err = core.logit_error_bound(abs_dot=abs_dot, head_dim=d, scale=1.0)
-  s, keep, scored, part = search_row_partial(
-    q, keys, valid, u, cnt, err, rng, search=strategy, eps=eps, scale=scale
-  )
-  _, cert = part.finalize(n_terms=s.shape[-1] + cnt.shape[-1])
-  log_tv = jnp.where(cert.valid, cert.log_tv_bound, 0.0)
-  return s, keep, scored, log_tv, part.keys_scored

@@ -42,14 +42,6 @@ class Selection:
   certificate: Certificate
 
 
-def count_kept(policy, n_valid, n_static) -> jax.Array:
-  """Per-row kept count of a fixed-count policy (``row_num_kept``)."""
-  # TODO(core): callers switch to policy.row_num_kept(n_real, n_keys).
-  if not isinstance(policy, _policies.FixedCount):
-    raise TypeError(f"{policy=} has no fixed count")
-  return policy.row_num_kept(n_valid, n_static)
-
-
 def keep_mask(s, policy, real, *, logit_error=0.0) -> jax.Array:
   """The policy's kept set over rows whose every logit is known.
 
@@ -116,17 +108,6 @@ def select_rows(
   )
   keep = keep & cert.valid[..., None]
   return Selection(keep=keep, k_kept=cert.k_kept, certificate=cert)
-
-
-def select_with_slack(
-  logits, policy, *, valid, norms=None, log_extra_slack=0.0
-) -> Selection:
-  """``select_rows`` with the old log-slack argument (2 x logit error)."""
-  # TODO(core): callers switch to select_rows(..., logit_error=delta).
-  delta = jnp.asarray(log_extra_slack) / 2
-  return select_rows(
-    logits, policy, valid=valid, norms=norms, logit_error=delta
-  )
 
 
 def _empty(logits, values) -> Selection:
