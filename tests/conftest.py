@@ -1,8 +1,21 @@
-"""Test-wide settings: a bounded hypothesis profile and CPU-only jax."""
+"""Test-wide settings: a bounded hypothesis profile; CPU jax without a GPU.
 
+On a machine with no accelerator, jax is pinned to the CPU (no probing for
+a TPU). Where a GPU or TPU is present, jax picks it (or whatever
+JAX_PLATFORMS says), so the compiled-kernel test classes run instead of
+skipping.
+"""
+
+import glob
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+def _has_accelerator() -> bool:
+  return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/accel[0-9]*"))
+
+
+if not _has_accelerator():
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
