@@ -16,8 +16,9 @@ Defined results (not errors), the same on every path:
 - A traced ``scale`` (e.g. a learned temperature under jit) is accepted:
   ``check_scale`` returns it as a 0-d array, and paths pass it to their jitted
   math as a DYNAMIC argument (never static). Its value cannot be checked at
-  trace time: rows computed with a scale that is not finite and > 0 are
-  invalid (``scale_ok`` feeds ``core.row_valid``).
+  trace time: rows computed with a scale that is not finite and at least
+  ``core.MIN_SCALE`` (float32's smallest normal) are invalid (``scale_ok``
+  feeds ``core.row_valid``). A static scale below it is refused.
 - Row validity (NaN / inf logits or values, -inf bias, all-masked rows) is
   the rule of ``jaxtopk.selection.core`` (``core.row_valid``): a -inf logit
   (``bias=-inf``) is a key of zero mass, as in
@@ -222,15 +223,19 @@ def check_is_causal(is_causal) -> bool:
 def check_scale(scale, head_dim: int):
   """The logit scale: 1/sqrt(head_dim) by default.
 
-  A Python or numpy real number must be finite and > 0 and is returned as a
+  A Python or numpy real number must be finite and at least
+  ``core.MIN_SCALE`` (float32's smallest normal, 1.18e-38: a subnormal scale
+  reads 0 on a CPU and no certificate covers it) and is returned as a
   Python float. A JAX array (concrete or traced, e.g. a learned
   temperature) must be a real floating scalar; it is returned as a 0-d
   array and must reach the path's jitted math as a DYNAMIC argument; its
-  value is checked per row at run time (``scale_ok``).
+  value is checked per row at run time (``scale_ok``: rows are invalid
+  where it is not finite and >= ``core.MIN_SCALE``).
 
   Raises:
     TypeError: a bool, complex, non-number or non-scalar array.
-    ValueError: a Python / numpy scale that is not finite or <= 0.
+    ValueError: a Python / numpy scale that is not finite, or below
+      ``core.MIN_SCALE`` (0 and negative scales included).
   """
   if scale is None:
     return 1.0 / math.sqrt(head_dim)
@@ -250,14 +255,19 @@ def check_scale(scale, head_dim: int):
   value = float(scale)
   if not (math.isfinite(value) and value > 0):
     raise ValueError(f"scale={value!r} must be finite and > 0")
+  if value < core.MIN_SCALE:
+    raise ValueError(
+      f"scale={value!r} is below float32's smallest normal"
+      f" {core.MIN_SCALE!r}: a CPU reads it as 0 and no certificate covers"
+      " it"
+    )
   return value
 
 
 def scale_ok(scale) -> jax.Array | bool:
-  """True where ``scale`` is finite and > 0 (always True for a float)."""
-  if isinstance(scale, float):
-    return True
-  return jnp.isfinite(scale) & (scale > 0)
+  """``core.scale_ok``: True for a (checked) float; for an array, whether it
+  is finite and >= ``core.MIN_SCALE``."""
+  return core.scale_ok(scale)
 
 
 def check_policy(policy, backend: str, supports: Iterable[str]) -> None:

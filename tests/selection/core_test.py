@@ -532,5 +532,90 @@ class MarginTest(absltest.TestCase):
     )
 
 
+class FloatSafeProductTest(parameterized.TestCase):
+  """``mul_up``: products of norms and scales neither flush nor overflow."""
+
+  def test_mul_up_sound_and_tight(self):
+    @given(x=vectors((3, 4), np.float32))
+    def check(x):
+      x = np.abs(x)
+      got = np.asarray(_mul_up(x[0], x[1], x[2]), LD)
+      xs = np.where(np.abs(_ld(x)) < LD(F32.tiny), LD(F32.tiny), _ld(x))
+      xs = np.where(_ld(x) == 0, LD(0), xs)  # subnormals read as tiny
+      want = xs[0] * xs[1] * xs[2]
+      for i in range(4):
+        if want[i] == 0:
+          self.assertEqual(got[i], 0)
+        elif want[i] > LD(F32.max):
+          self.assertEqual(got[i], np.inf)
+        else:
+          self.assertGreaterEqual(got[i], want[i], (x[:, i], got[i]))
+          self.assertGreaterEqual(got[i], LD(F32.tiny))
+          lim = max(want[i] * LD(1 + 8 * F32.eps), LD(F32.tiny))
+          self.assertLessEqual(got[i], lim, (x[:, i], got[i], want[i]))
+
+    check()
+
+  def test_mul_up_products_that_flush_or_overflow_midway(self):
+    # (scale ||q||) is subnormal, the product with r is ~1.3: the index's
+    # ball term of the second audit; and ||q|| ||k|| overflows while
+    # ||q|| ||k|| scale does not.
+    got = float(_mul_up(np.float32(0.35), np.float32(1.5e-38), 2.5e38))
+    self.assertGreaterEqual(got, 0.35 * 1.5e-38 * 2.5e38)
+    self.assertLess(got, 1.32)
+    got = float(_mul_up(np.float32(1e30), np.float32(1e30), 1e-30))
+    self.assertGreaterEqual(got, 1e30)
+    self.assertLess(got, 1.0001e30)
+    self.assertEqual(float(_mul_up(np.float32(1e-30), 1e-30)), F32.tiny)
+    self.assertEqual(float(_mul_up(np.float32(0.0), 1e30)), 0.0)
+    self.assertEqual(float(_mul_up(np.float32(np.inf), 2.0)), np.inf)
+    self.assertTrue(np.isnan(_mul_up(np.float32(np.inf), 0.0)))
+    self.assertTrue(np.isnan(_mul_up(np.float32(np.nan), 1.0)))
+
+  def test_logit_error_keeps_tiny_query_times_huge_key(self):
+    # ||q|| = 1.5e-38 (normal) against ||k|| = 2.5e38 with q flushed: the
+    # subnormal-input term F = scale sqrt(d) tiny ||k|| is ~1e-38 * 1e38.
+    delta = float(
+      core.logit_error_bound(
+        q_norm=np.float32(1.5e-38),
+        k_norm=np.float32(2.5e38),
+        head_dim=4,
+        scale=0.5,
+        q_flushed=True,
+      )
+    )
+    want = 0.5 * 2 * F32.tiny * 2.5e38  # scale sqrt(d) tiny ||k||
+    self.assertGreaterEqual(delta, want)
+    self.assertLess(delta, want * 1.01)  # F itself, finite
+
+  def test_scale_rule(self):
+    self.assertTrue(core.scale_ok(1e-38))  # a float: checked at the boundary
+    got = jax.jit(core.scale_ok)(
+      jnp.array([1.1e-38, 1.2e-38, 0.0, -1.0, np.inf, np.nan, 0.5])
+    )
+    np.testing.assert_array_equal(
+      got, [False, True, False, False, False, False, True]
+    )
+    self.assertEqual(core.MIN_SCALE, float(F32.tiny))
+
+  def test_mark_invalid_follows_the_rule(self):
+    s = np.array([[2.0, 0.0, -1.0], [1.0, 1.0, 0.0]], np.float32)
+    keep = np.array([[True, False, False]] * 2)
+    cert = core.certificate_from_logits(
+      s, keep, np.ones_like(keep), value_norms=np.ones(3, np.float32)
+    )
+    got = core.mark_invalid(cert, np.array([False, True]))
+    np.testing.assert_array_equal(got.valid, [True, False])
+    self.assertEqual(float(got.tv_bound[0]), float(cert.tv_bound[0]))
+    self.assertTrue(np.isnan(got.tv_bound[1]))
+    self.assertTrue(np.isnan(got.log_tv_bound[1]))
+    self.assertTrue(np.isnan(got.output_error_bound[1]))
+    np.testing.assert_array_equal(got.k_kept, [1, 0])
+    np.testing.assert_array_equal(got.keys_scored, cert.keys_scored)
+
+
+_mul_up = jax.jit(core.mul_up)
+
+
 if __name__ == "__main__":
   absltest.main()
