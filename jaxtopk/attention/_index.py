@@ -47,7 +47,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxtopk.attention import checks
 from jaxtopk.attention._cache import KVCache
 from jaxtopk.selection import core
 
@@ -428,7 +430,9 @@ def _build(
 
 
 def _check_int(name, val, lo=1):
-  if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+  if isinstance(val, bool | np.bool_) or not isinstance(val, int | np.integer):
+    raise ValueError(f"{name}={val!r} must be an int >= {lo}")
+  if val < lo:
     raise ValueError(f"{name}={val!r} must be an int >= {lo}")
 
 
@@ -450,8 +454,9 @@ def build_kv_index(
     keys: ``[batch, n, kv_heads, head_dim]`` (jax.nn layout; transposed to
       head-major once here).
     values: ``[batch, n, kv_heads, head_dim_v]``.
-    lengths: optional ``[batch]`` int, real positions per row (the first
-      ``lengths[b]``); default all ``n``.
+    lengths: optional ``[batch]`` integers (or one for every row), real
+      positions per row (the first ``lengths[b]``), in [0, n]; default all
+      ``n`` (traced lengths are clipped to [0, n]).
     max_len: capacity in positions (>= n), room for ``kv_index_update``;
       default ``n``.
     group_size: capacity C of a group (static), the unit the searches read.
@@ -474,7 +479,9 @@ def build_kv_index(
     An IndexedKVCache holding the first ``lengths`` positions of each row.
 
   Raises:
-    ValueError: on bad shapes or sizes.
+    TypeError: keys or values not real floating (int, bool and complex are
+      refused by name), lengths not integers.
+    ValueError: on bad shapes or sizes, lengths out of [0, n].
 
   Example:
     >>> import jax, jaxtopk
@@ -483,7 +490,8 @@ def build_kv_index(
     >>> index.keys.shape  # 10 + 5 groups of 32 slots
     (1, 2, 15, 32, 16)
   """
-  keys, values = jnp.asarray(keys), jnp.asarray(values)
+  keys = checks.check_array(keys, "keys")
+  values = checks.check_array(values, "values")
   if keys.ndim != 4:
     raise ValueError(
       f"keys must be [batch, n, kv_heads, head_dim]; got {keys.shape=}"
@@ -512,9 +520,8 @@ def build_kv_index(
   _check_int("groups_per_round", groups_per_round)
   if lengths is None:
     lengths = jnp.full((b,), n, jnp.int32)
-  lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, n)
-  if lengths.shape != (b,):
-    raise ValueError(f"lengths must be [batch={b}]; got {lengths.shape=}")
+  else:
+    lengths = checks.check_counts(lengths, "lengths", b, n)
   return _build(
     keys,
     values,
@@ -633,7 +640,6 @@ _ROW_FIELDS = (
 )
 
 
-@jax.jit
 def kv_index_update(
   index: IndexedKVCache, key, value, *, num_steps=None
 ) -> IndexedKVCache:
@@ -649,15 +655,20 @@ def kv_index_update(
     index: an IndexedKVCache.
     key: ``[batch, steps, kv_heads, head_dim]`` (jax.nn layout).
     value: ``[batch, steps, kv_heads, head_dim_v]``.
-    num_steps: optional ``[batch]`` int, how many of the steps are real.
+    num_steps: optional ``[batch]`` integers (or one for every row), how
+      many of the steps are real (as ``kv_cache_update``: in [0, steps]
+      when concrete, clipped when traced).
 
   Returns:
     The updated IndexedKVCache.
 
   Raises:
-    ValueError: if key/value shapes do not match the index.
+    TypeError: key or value not real floating, num_steps not integers.
+    ValueError: if key/value shapes do not match the index, or num_steps
+      is not ``[batch]`` / a scalar or out of range.
   """
-  key, value = jnp.asarray(key), jnp.asarray(value)
+  key = checks.check_array(key, "key")
+  value = checks.check_array(value, "value")
   b, hk, _, c_sz, d = index.keys.shape
   dv = index.values.shape[-1]
   if key.ndim != 4 or key.shape[0] != b or key.shape[2:] != (hk, d):
@@ -672,7 +683,15 @@ def kv_index_update(
   steps = key.shape[1]
   if num_steps is None:
     num_steps = jnp.full((b,), steps, jnp.int32)
-  num_steps = jnp.clip(jnp.asarray(num_steps, jnp.int32), 0, steps)
+  else:
+    num_steps = checks.check_counts(num_steps, "num_steps", b, steps)
+  return _index_update(index, key, value, num_steps)
+
+
+@jax.jit
+def _index_update(index, key, value, num_steps):
+  b, hk, _, c_sz, d = index.keys.shape
+  steps = key.shape[1]
   key = key.astype(index.keys.dtype)
   value = value.astype(index.values.dtype)
   row_fn = functools.partial(_append_row, c_sz=c_sz)

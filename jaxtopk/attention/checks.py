@@ -32,6 +32,9 @@ Names:
 - ``check_array(x, name)``: a real floating array, or TypeError.
 - ``check_mask(mask, shape)``, ``check_bias(bias, shape)``.
 - ``check_is_causal(is_causal)``: a Python bool.
+- ``check_counts(x, name, batch, high)``: per-row counts (``num_steps`` of
+  the cache appends, ``lengths`` of the index build): integers, ``[batch]``
+  or a scalar, in [0, high] (checked when concrete; clipped when traced).
 - ``check_scale(scale, head_dim)``: default, static float or dynamic array.
 - ``scale_ok(scale)``: bool, for the validity rule of a dynamic scale.
 - ``check_policy(policy, backend, supports)``: a Policy the backend honours.
@@ -218,6 +221,42 @@ def check_is_causal(is_causal) -> bool:
   if isinstance(is_causal, bool | np.bool_):
     return bool(is_causal)
   raise TypeError(f"is_causal={is_causal!r} must be a bool (True or False)")
+
+
+def check_counts(x, name: str, batch: int, high: int) -> jax.Array:
+  """Per-row counts as ``[batch]`` int32: ``num_steps``, ``lengths``.
+
+  Accepts a Python int, a numpy or JAX integer scalar (the same count for
+  every row) or a ``[batch]`` integer array. The range [0, high] is checked
+  on concrete values, in their own dtype (an int64 2**32 + 1 would wrap in
+  int32); a traced array (under jit) cannot be checked and is clipped to
+  it.
+
+  Raises:
+    TypeError: a bool, float or other non-integer count (named).
+    ValueError: a shape other than ``[batch]`` or ``[]``, or a concrete
+      count outside [0, high].
+  """
+  if isinstance(x, bool | np.bool_) or x is None:
+    raise TypeError(f"{name}={x!r} must be integers (a count per row)")
+  if not isinstance(x, jax.Array):
+    x = np.asarray(x)
+  if x.dtype == np.bool_ or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(
+      f"{name} must be integers (a count per row); got {name}.dtype={x.dtype}"
+    )
+  if x.shape not in ((), (batch,)):
+    raise ValueError(
+      f"{name} must be [batch={batch}] (or a scalar); got {name}.shape="
+      f"{x.shape}"
+    )
+  if not isinstance(x, jax.core.Tracer):
+    v = np.asarray(x)
+    if np.any(v < 0) or np.any(v > high):
+      raise ValueError(f"{name}={v.tolist()} must be in [0, {high}]")
+    return jnp.broadcast_to(jnp.asarray(v.astype(np.int32)), (batch,))
+  x = jnp.clip(x, 0, high).astype(jnp.int32)
+  return jnp.broadcast_to(x, (batch,))
 
 
 def check_scale(scale, head_dim: int):

@@ -557,6 +557,29 @@ class IndexAuditTest(parameterized.TestCase):
       bad = getattr(bad, "certificate", bad)
       np.testing.assert_array_equal(bad.valid, False, err_msg=name)
 
+  def test_build_and_update_arguments_named(self):
+    k = np.ones((1, 3, 1, 4), np.float32)
+    for lengths, exc, frag in (
+      ([3.7], TypeError, "lengths.dtype=float64"),  # truncated silently
+      ([5], ValueError, r"lengths=\[5\] must be in \[0, 3\]"),
+      ([1, 2], ValueError, "lengths must be"),
+    ):
+      with self.assertRaisesRegex(exc, frag):
+        jaxtopk.build_kv_index(k, k, lengths=lengths)
+    for dt in (np.int32, bool, np.complex64):
+      with self.assertRaisesRegex(TypeError, "keys"):
+        jaxtopk.build_kv_index(k.astype(dt), k)
+      with self.assertRaisesRegex(TypeError, "values"):
+        jaxtopk.build_kv_index(k, k.astype(dt))
+    index = jaxtopk.build_kv_index(k, k, max_len=8, group_size=4)
+    x = np.ones((1, 2, 1, 4), np.float32)
+    with self.assertRaisesRegex(ValueError, "num_steps must be"):  # was a
+      jaxtopk.kv_index_update(index, x, x, num_steps=np.array([1, 2]))  # vmap
+    with self.assertRaisesRegex(TypeError, "key must be real"):
+      jaxtopk.kv_index_update(index, x.astype(np.complex64), x)
+    got = jaxtopk.kv_index_update(index, x, x, num_steps=1)
+    np.testing.assert_array_equal(got.length, [4])
+
   def test_arguments_named(self):
     k, v, q = _clustered()
     index = _index(k, v, None, jnp.float32)
