@@ -40,10 +40,11 @@ class KVCache:
     kmax: ``[batch, kv_heads, n_blocks, head_dim]`` float32 maximum (-inf
       for an empty block).
     vnorm: ``[batch, kv_heads, n_blocks]`` float32 largest ||v||_2 of the
-      block's filled values, rounded up (0 for an empty block).
+      block's filled values, rounded up (0 for an empty block; as stored by
+      ``core.value_norms``, compressed above 2^126).
     value_norms: ``[batch, kv_heads, max_len]`` float32 ||v_j||_2 of each
       filled value, rounded up (``core.value_norms``: NaN for a value with a
-      non-finite component; 0 at empty positions).
+      non-finite component, compressed above 2^126; 0 at empty positions).
     kabs: ``[batch, kv_heads, head_dim]`` float32 largest |k_c| over the
       filled keys (0 when empty).
     knorm: ``[batch, kv_heads]`` float32 largest ||k_j||_2 over the filled

@@ -83,7 +83,8 @@ class IndexedKVCache:
     radius: ``[b, hk, G]`` float32 r >= max_i ||k_i - c|| (exact values of
       the stored keys and of c), rounded up.
     centre_norm: ``[b, hk, G]`` float32 ||c|| rounded up.
-    vnorm: ``[b, hk, G]`` float32 largest ||v|| of the members, rounded up.
+    vnorm: ``[b, hk, G]`` float32 largest ||v|| of the members, rounded up
+      (``core.value_norms``: compressed above 2^126).
     slot: ``[b, hk, n]`` int32 ``g * C + j`` of each filled position, -1
       for unfilled positions.
     key_absmax: ``[b, hk, d]`` float32 max_i |k_ic| over the stored keys

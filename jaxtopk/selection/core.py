@@ -50,7 +50,9 @@ Names (one line each):
 - ``norms_up(x, axis)``: ||x||_2 rounded up, no underflow, no spurious
   overflow.
 - ``value_norms(v)``: ``norms_up`` over the last axis with NaN marking a
-  non-finite value (that row is invalid).
+  non-finite value (that row is invalid); stored compressed above 2^126,
+  so never +inf for a finite value (``mul_norm_up(t, y)``: t times a
+  stored norm, rounded up).
 - ``max_norm(norms, where)``: the largest norm over a set (0 if empty).
 - ``abs_dot_box(q, k_absmax)``: sum_c |q_c| max_i |k_ic| rounded up (the
   box form of the dot-product magnitude).
@@ -102,6 +104,7 @@ up_positive = _theory.up_positive
 flushed = _theory.flushed
 norms_up = _theory.norms_up
 mul_up = _theory.mul_up
+mul_norm_up = _theory.mul_norm_up
 dist_up = _theory.dist_up
 _subnormal = _theory.subnormal
 
@@ -151,10 +154,15 @@ def value_norms(values) -> jax.Array:
 
   ``norms_up`` over the last axis, except that a value with a non-finite
   component gets NaN: a NaN norm marks the value as broken and makes every
-  row that holds it as a real key invalid (``row_valid``). A finite value
-  whose norm overflows gets +inf (a sound, if trivial, bound).
+  row that holds it as a real key invalid (``row_valid``). Norms above
+  2^126 (8.5e37) are stored COMPRESSED (``jaxtopk.theory``'s ``_floats``:
+  monotone, so ``max_norm`` and masks work unchanged; ``output_error_bound``
+  and ``logit_output_error`` read them): a finite value near the largest
+  float ([3e38, 3e38], norm 4.2e38) has a finite stored norm, and the
+  output error of a row that drops little of it stays finite (it was +inf
+  whatever tv was).
   """
-  nrm, finite = _theory.norms_and_finite(values, -1)
+  nrm, finite = _theory.norms_and_finite(values, -1, compress=True)
   return jnp.where(finite, nrm, jnp.nan)
 
 
@@ -352,8 +360,9 @@ def output_error_bound(tv_bound, head_norm, tail_norm) -> jax.Array:
 
   Args:
     tv_bound: ``[...]`` tv bound in [0, 1].
-    head_norm: ``[...]`` max ||v_j|| over kept keys (``max_norm``).
-    tail_norm: ``[...]`` max ||v_j|| over dropped real keys.
+    head_norm: ``[...]`` max ||v_j|| over kept keys (``max_norm`` of
+      ``value_norms``: compressed above 2^126).
+    tail_norm: ``[...]`` max ||v_j|| over dropped real keys (likewise).
 
   Returns:
     ``[...]`` bound, NaN where an input is NaN.
@@ -362,11 +371,11 @@ def output_error_bound(tv_bound, head_norm, tail_norm) -> jax.Array:
   dt = tv.dtype
   h = jnp.asarray(head_norm, dt)
   t = jnp.asarray(tail_norm, dt)
-  eps, tiny = _eps(dt), _tiny(dt)
-  # Inputs below the smallest normal would read 0: raise them to it.
-  tv, h, t = (jnp.where(_subnormal(x), tiny, x) for x in (tv, h, t))
-  th = up_positive(tv * h, (tv > 0) & (h > 0))
-  tt = up_positive(tv * t, (tv > 0) & (t > 0))
+  eps = _eps(dt)
+  # ``mul_norm_up`` reads the stored (compressed) norms; subnormal inputs
+  # count as the smallest normal, a positive product is never 0.
+  th = _theory.mul_norm_up(tv, h)
+  tt = _theory.mul_norm_up(tv, t)
   b = (th + tt) * (1 + 8 * eps)
   b = up_positive(b, (th > 0) | (tt > 0))
   bad = jnp.isnan(tv) | jnp.isnan(h) | jnp.isnan(t)
@@ -387,7 +396,8 @@ def logit_output_error(logit_error, head_norm) -> jax.Array:
 
   Args:
     logit_error: ``[...]`` delta (``logit_error_bound``).
-    head_norm: ``[...]`` max ||v_j|| over the kept keys.
+    head_norm: ``[...]`` max ||v_j|| over the kept keys (a stored norm of
+      ``value_norms``, compressed above 2^126).
 
   Returns:
     ``[...]`` nonnegative bound (NaN where ``head_norm`` is NaN).
@@ -395,11 +405,10 @@ def logit_output_error(logit_error, head_norm) -> jax.Array:
   h = jnp.asarray(head_norm)
   dt = h.dtype
   delta = jnp.asarray(logit_error, dt)
-  eps, tiny = _eps(dt), _tiny(dt)
+  eps = _eps(dt)
   frac = -jnp.expm1(-2 * jnp.maximum(delta, 0.0))  # in [0, 1]
   frac = jnp.minimum(2 * frac * (1 + 4 * eps), 2.0)
-  h = jnp.where(_subnormal(h), tiny, h)
-  b = up_positive(frac * h * (1 + 4 * eps), (frac > 0) & (h > 0))
+  b = _theory.mul_norm_up(frac * (1 + 4 * eps), h)  # h: a stored norm
   return jnp.where(delta > 0, b, jnp.zeros((), dt))
 
 

@@ -19,6 +19,14 @@ coordinates above 1.8e19). Here:
   the largest float, at least the smallest normal when it is positive.
 - ``dist_up(x, c)``: ||x - c||_2 rounded up for the exact stored values
   (a ball radius).
+- ``norms_and_finite(x, axis, compress=True)`` and ``mul_norm_up(t, y)``:
+  norms that never overflow for finite vectors (value norms near the
+  largest float: [3e38, 3e38] has norm 4.2e38 > 3.4e38). Below the knee
+  2^(maxexp - 2) (8.5e37 in float32) a norm is stored as itself (rounded
+  up); above it compressed, y = K + (x - K) / 2^10, which is monotone, so
+  maxima and masks of stored norms work unchanged, and only a product with
+  the norm needs ``mul_norm_up`` (t x, rounded up, +inf only when the
+  product itself exceeds the largest float).
 """
 
 import jax
@@ -76,8 +84,21 @@ def flushed(x, axis=-1) -> jax.Array:
   return jnp.any(subnormal(x), axis=axis)
 
 
-def norms_and_finite(x, axis=-1):
-  """(``norms_up``, whether every component is finite) over ``axis``."""
+_SHRINK = 10  # compressed norms: (x - knee) / 2^_SHRINK above the knee
+
+
+def _knee(dt):
+  """2^(maxexp - 2): norms above it are stored compressed."""
+  return pow2(jnp.finfo(dt).maxexp - 2, dt)
+
+
+def norms_and_finite(x, axis=-1, compress=False):
+  """(``norms_up``, whether every component is finite) over ``axis``.
+
+  With ``compress``, norms above the knee are stored compressed (module
+  docstring; read with ``mul_norm_up``), so a finite vector's norm is
+  finite up to 3072 times the knee x the largest float.
+  """
   x = jnp.asarray(x)
   dt = _compute_dtype(x.dtype)
   fi = jnp.finfo(dt)
@@ -94,7 +115,15 @@ def norms_and_finite(x, axis=-1):
   r = xc * pow2(-e, dt)[..., None]  # exact (flushed entries: < 2^-120 m)
   ss = jnp.sum(r * r, axis=-1)  # [...] <= 16 n
   # Sum of n squares, the sqrt and this product: (n + 8) eps covers them.
-  nrm = jnp.sqrt(ss) * (1 + (n + 8) * fi.eps) * pow2(e, dt)  # inf: honest
+  base = jnp.sqrt(ss) * (1 + (n + 8) * fi.eps)  # <= 4 sqrt(n) (1 + ...)
+  nrm = base * pow2(e, dt)  # inf: honest (or compressed below)
+  if compress:
+    knee = _knee(dt)
+    low = pow2(fi.maxexp - 2 - _SHRINK, dt)  # knee / 2^_SHRINK
+    # x / 2^_SHRINK, exact: e - _SHRINK stays normal where it is used.
+    shrunk = base * pow2(jnp.maximum(e - _SHRINK, fi.minexp), dt)
+    comp = ((knee - low) + shrunk) * (1 + 2 * fi.eps)
+    nrm = jnp.where(nrm <= knee, nrm, comp)
   nrm = jnp.where(finite, nrm, m)  # inf or NaN components
   floor = jnp.sqrt(jnp.asarray(max(n, 1), dt)) * fi.tiny * 2
   return jnp.where(sub, nrm + floor, nrm), finite
@@ -177,6 +206,34 @@ def mul_up(*factors) -> jax.Array:
   r = jnp.where(big, jnp.inf, jnp.where(small, fi.tiny, r))
   r = jnp.where(zero, 0.0, jnp.where(inf, jnp.inf, r))
   return jnp.where(nan | (zero & inf), jnp.nan, r)
+
+
+def mul_norm_up(t, y) -> jax.Array:
+  """t times the norm stored as ``y`` (``norms_and_finite(compress=True)``).
+
+  ``y`` at or below the knee is the norm itself; above it the norm is
+  K + (y - K) 2^_SHRINK (K the knee), which may exceed the largest float:
+  the product is formed as t K + t (y - K) 2^_SHRINK by ``mul_up``, so it
+  is +inf only when it exceeds the largest float itself.
+
+  Args:
+    t: nonnegative factor(s) (e.g. a tv bound).
+    y: stored norm(s), broadcasting with ``t``.
+
+  Returns:
+    t x rounded up (``mul_up``'s conventions for 0, +inf and NaN).
+  """
+  t, y = jnp.asarray(t), jnp.asarray(y)
+  dt = _compute_dtype(jnp.result_type(t, y))
+  fi = jnp.finfo(dt)
+  y = y.astype(dt)
+  knee = _knee(dt)
+  small = ~(y > knee)  # NaN: the plain product (NaN)
+  a = mul_up(t, jnp.where(small, y, knee))
+  over = (y - knee) * (1 + fi.eps)  # y - K, rounded up
+  b = mul_up(t, jnp.where(small, 0.0, over), float(2**_SHRINK))
+  tot = jnp.where(small, a, (a + b) * (1 + 2 * fi.eps))
+  return tot
 
 
 def dist_up(x, c) -> jax.Array:

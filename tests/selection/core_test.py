@@ -130,7 +130,12 @@ class NormsTest(parameterized.TestCase):
     got = np.asarray(jax.jit(core.value_norms)(v))
     self.assertGreaterEqual(got[0, 0], np.sqrt(5))
     self.assertTrue(np.isnan(got[0, 1]))
-    self.assertEqual(got[0, 2], np.inf)  # finite values, norm overflows
+    # A finite value whose norm (4.2e38) overflows: stored compressed,
+    # finite, and read back (x tv) at least as large as the norm.
+    self.assertTrue(np.isfinite(got[0, 2]))
+    back = float(_mul_norm_up(np.float32(1e-3), got[0, 2]))
+    self.assertGreaterEqual(back, 1e-3 * np.sqrt(2) * 3e38)
+    self.assertLess(back, 1e-3 * np.sqrt(2) * 3e38 * 1.001)
 
   @parameterized.named_parameters(*[(k, v) for k, v in DTYPES.items()])
   def test_flushed_matches_numpy(self, dtype):
@@ -382,7 +387,9 @@ class OutputErrorTest(parameterized.TestCase):
     ),
   )
   def test_output_error_bound_sound(self, tv, h, t):
-    got = float(core.output_error_bound(np.float32(tv), h, t))
+    # Norms as stored by value_norms (of the one-component values [h], [t]).
+    hs, ts = _value_norms(np.array([[h], [t]], np.float32))
+    got = float(core.output_error_bound(np.float32(tv), hs, ts))
     want = LD(np.float32(tv)) * (LD(np.float32(h)) + LD(np.float32(t)))
     self.assertGreaterEqual(LD(got), want)
     if want > 0:
@@ -588,6 +595,45 @@ class FloatSafeProductTest(parameterized.TestCase):
     self.assertGreaterEqual(delta, want)
     self.assertLess(delta, want * 1.01)  # F itself, finite
 
+  def test_compressed_value_norms_sound_and_monotone(self):
+    # Norms above 2^126 are stored compressed so that a finite value never
+    # gets an infinite norm (output_error_bound was +inf for values near
+    # the largest float whatever tv was). Stored norms must keep the order
+    # of the true ones (maxima are taken on them) and read back above them.
+    rng = np.random.default_rng(0)
+    mags = 10.0 ** rng.uniform(-45, 38.53, size=(400, 1))
+    v = np.clip(rng.normal(size=(400, 6)) * mags, -F32.max, F32.max)
+    v = v.astype(np.float32)
+    got = np.asarray(jax.jit(core.value_norms)(v), np.float64)
+    want = np.sqrt(np.sum(_ld(v) ** 2, -1))
+    self.assertTrue(np.all(np.isfinite(got)))
+    # Monotone (up to rounding): the order of clearly different norms is
+    # kept, so a maximum of stored norms bounds every norm it covers.
+    order = np.argsort(want)
+    w, g = want[order], got[order]
+    # (above 1e-30: vectors with subnormal components get a floor added)
+    apart = (w[1:] > w[:-1] * LD(1.001)) & (w[:-1] > LD(1e-30))
+    self.assertTrue(np.all((g[1:] >= g[:-1])[apart]))
+    for t in (1.0, 0.3, 1e-6, 1e-30):
+      back = np.asarray(_mul_norm_up(np.float32(t), got.astype(np.float32)))
+      back = back.astype(LD)
+      exact = want * LD(t)
+      ok = (back >= exact) | (exact < LD(F32.tiny)) & (back >= LD(F32.tiny))
+      self.assertTrue(np.all(ok | (exact == 0)), (t, back[~ok], exact[~ok]))
+      fin = exact < LD(F32.max) * LD(0.999)
+      self.assertTrue(np.all(np.isfinite(back[fin])), t)
+
+  def test_output_error_bound_finite_for_values_near_max(self):
+    # Values [3e38, -3e38, 3e38]: norm 5.2e38 > the largest float.
+    vn = core.value_norms(np.full((1, 3), 3e38, np.float32))
+    got = float(core.output_error_bound(np.float32(0.01), vn[0], vn[0]))
+    want = 0.01 * 2 * np.sqrt(3) * 3e38
+    self.assertGreaterEqual(got, want)
+    self.assertLess(got, want * 1.001)
+    got = float(core.logit_output_error(np.float32(1e-6), vn[0]))
+    self.assertTrue(np.isfinite(got))
+    self.assertGreaterEqual(got, 2 * (1 - np.exp(-2e-6)) * np.sqrt(3) * 3e38)
+
   def test_scale_rule(self):
     self.assertTrue(core.scale_ok(1e-38))  # a float: checked at the boundary
     got = jax.jit(core.scale_ok)(
@@ -615,6 +661,8 @@ class FloatSafeProductTest(parameterized.TestCase):
 
 
 _mul_up = jax.jit(core.mul_up)
+_mul_norm_up = jax.jit(core.mul_norm_up)
+_value_norms = jax.jit(core.value_norms)
 
 
 if __name__ == "__main__":
