@@ -83,7 +83,7 @@ BRACKET_BINS = 256  # bins of the certified bracket's column-mass histogram
 # Static gather capacity of Certified(eps) (kept keys), as a fraction of the
 # cache: rows keeping more take the dense value product.
 CERTIFIED_CAPACITY = 1 / 32
-_HIGHEST = lax.Precision.HIGHEST
+_HIGHEST = core.PRECISION  # full float32 products (the bounds assume it)
 
 DECODE_IMPLEMENTATIONS: dict[str | None, Callable] = {}
 

@@ -194,8 +194,12 @@ def _kmeans_row(x, valid, num_clusters, iters, sample, rng):
     pad = -m % chunk
     xp = jnp.pad(xx, ((0, pad), (0, 0))).reshape(-1, chunk, d)
     cn = jnp.sum(c * c, -1)  # [K]
+    # RANK ONLY: the assignment orders centres by distance; the summaries
+    # are computed from the members afterwards (``_group_summaries``), so
+    # any precision is sound here (fast TF32 / bf16 passes are fine).
     near = lambda xc: jnp.argmin(cn - 2 * xc @ c.T, -1)  # [chunk]
-    return jax.lax.map(near, xp).reshape(-1)[:m]
+    with jax.named_scope("rank_only"):
+      return jax.lax.map(near, xp).reshape(-1)[:m]
 
   def step(_, c):
     a = assign(c, xs)

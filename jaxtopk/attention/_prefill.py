@@ -74,7 +74,7 @@ from jaxtopk import selection
 from jaxtopk import theory
 from jaxtopk.selection import core
 
-HIGHEST = lax.Precision.HIGHEST
+HIGHEST = core.PRECISION  # full float32 products (the bounds assume it)
 
 # What this path honours (``Policy.require``): every policy, the exact and
 # Delta-Search strategies with box block bounds, and max_topk. MC-Search and

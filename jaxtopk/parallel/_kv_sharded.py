@@ -50,7 +50,7 @@ from jaxtopk.selection import Policy
 from jaxtopk.selection import capabilities
 from jaxtopk.selection import core
 
-_HIGHEST = lax.Precision.HIGHEST
+_HIGHEST = core.PRECISION  # full float32 products (the bounds assume it)
 
 # What the KV-sharded paths honour (every other policy field is refused).
 SUPPORTS = capabilities(
