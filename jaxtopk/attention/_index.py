@@ -81,7 +81,9 @@ class IndexedKVCache:
     count: ``[b, hk, G]`` int32 members per group.
     centre: ``[b, hk, G, d]`` float32 group centre c (0 for empty groups).
     radius: ``[b, hk, G]`` float32 r >= max_i ||k_i - c|| (exact values of
-      the stored keys and of c), rounded up.
+      the stored keys and of c), rounded up; NaN for a group holding a key
+      with a non-finite component (its keys cannot be bounded: a row that
+      leaves them unscored is invalid).
     centre_norm: ``[b, hk, G]`` float32 ||c|| rounded up.
     vnorm: ``[b, hk, G]`` float32 largest ||v|| of the members, rounded up
       (``core.value_norms``: compressed above 2^126).
@@ -224,8 +226,12 @@ def _group_summaries(x, v, valid, grp, num_groups):
   dist = radius_to(x, centre[jnp.minimum(g, num_groups - 1)])  # [n]
   dist = jnp.where(valid, dist, 0.0)
   radius = _segment_max(dist, g, num_groups + 1, 0.0)[:num_groups]
+  # segment_max drops NaN; a non-finite key makes its group's radius NaN
+  # (read by ``group_upper_bounds``), a non-finite value its group's norm.
+  kbad = ~jnp.all(jnp.isfinite(x), -1) & valid
+  kbad = jax.ops.segment_max(kbad.astype(jnp.int32), g, num_groups + 1)
+  radius = jnp.where(kbad[:num_groups] > 0, jnp.nan, radius)
   vn = jnp.where(valid, core.value_norms(v).astype(x.dtype), 0.0)
-  # segment_max drops NaN; a non-finite value makes its group's norm NaN.
   bad = jax.ops.segment_max(jnp.isnan(vn).astype(jnp.int32), g, num_groups + 1)
   vnorm = _segment_max(vn, g, num_groups + 1, 0.0)[:num_groups]
   vnorm = jnp.where(bad[:num_groups] > 0, jnp.nan, vnorm)
@@ -365,7 +371,7 @@ def _build_row(
   absmax = jnp.max(jnp.where(valid[:, None], jnp.abs(x), 0.0), 0)  # [d]
   knorm = jnp.max(jnp.where(valid, norm_up(x), 0.0), initial=0.0)
   kflush = jnp.any(valid & core.flushed(keys, -1))
-  nonempty = cnt > 0
+  nonempty = (cnt > 0) & ~jnp.isnan(radius)  # NaN: a non-finite key
   open_r = jnp.sum(jnp.where(nonempty, radius, 0.0)) / jnp.maximum(
     jnp.sum(nonempty), 1
   )
@@ -601,6 +607,8 @@ def _append_row(row, k, v, pos, write, c_sz):
   ok = write & (j < c_sz)
   centre_g = jnp.where(opening, x, row["centre"][g])
   r_new = jnp.where(opening, radius_to(x, x), dist[g])
+  # A non-finite key marks its group (NaN radius: ``group_upper_bounds``).
+  r_new = jnp.where(jnp.all(jnp.isfinite(x)), r_new, jnp.nan)
   upd = lambda a, val: a.at[g].set(jnp.where(ok, val, a[g]))
   out = dict(row)
   out["centre"] = upd(row["centre"], centre_g)

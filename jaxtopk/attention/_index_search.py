@@ -115,8 +115,9 @@ def group_upper_bounds(q, index: IndexedKVCache, scale, q_flushed=True):
   the product scale ||q|| is subnormal, and formed first it would flush the
   ball term to 0), then u_g = t1 + delta_c + t2 + 4 eps (|t1| + |t2| +
   delta_c) + tiny (the additions' rounding; a flushed result). Empty groups
-  get -inf; a NaN bound (a non-finite key in the group) becomes +inf: never
-  skipped, and a row that leaves such a group unscored is invalid.
+  get -inf. A group holding a non-finite key (its radius is NaN) gets NaN:
+  searched first, and a row that leaves it unscored is invalid. A bound
+  that overflows is +inf (a trivial, sound bound).
 
   Args:
     q: ``[b, hk, g, d]`` queries (compute dtype), g per kv head (GQA).
@@ -145,7 +146,8 @@ def group_upper_bounds(q, index: IndexedKVCache, scale, q_flushed=True):
   t2 = core.mul_up(scale, qn, index.radius[:, :, None].astype(dt))
   u = t1 + delta_c + t2
   u = u + 4 * fin.eps * (jnp.abs(t1) + jnp.abs(t2) + delta_c) + fin.tiny
-  u = jnp.where(jnp.isnan(u), jnp.inf, u)
+  bad = jnp.isnan(index.radius)[:, :, None]  # a non-finite key
+  u = jnp.where(bad, jnp.nan, jnp.where(jnp.isnan(u), jnp.inf, u))
   return jnp.where(index.count[:, :, None] > 0, u, -jnp.inf)
 
 
@@ -251,9 +253,9 @@ def _grow_row(
   the online-softmax output, kept NORMALISED as ``core.online_step`` does
   (o' = (z / z') o + sum_j (p_j / z') v_j, every weight <= 1): an
   unnormalised sum of 16 values of 3e37 overflows where their mean does
-  not. A group left unscored whose bound is +inf or NaN (a non-finite key,
-  or a bound that overflows) makes the row invalid, as ``core.Partial.
-  add_tail`` does for unscored blocks: its logits could be NaN or +inf.
+  not. A group left unscored whose bound is NaN (it holds a non-finite key,
+  ``group_upper_bounds``) makes the row invalid: its logits could be NaN or
+  +inf. A +inf bound (an overflow) only makes the certificate trivial.
 
   Returns:
     ``(out, log_tv, scored_group, kept_group, n_scored, n_kept, has_head,
@@ -264,7 +266,8 @@ def _grow_row(
   r = rounds
   dt = q.dtype
   eps = jnp.finfo(dt).eps
-  log_mass = jnp.where(jnp.isnan(log_mass), jnp.inf, log_mass)
+  broken = jnp.isnan(log_mass)  # a group holding a non-finite key
+  log_mass = jnp.where(broken, jnp.inf, log_mass)  # searched first
   live = log_mass > -jnp.inf
   order, suffix = _order_groups(log_mass)  # live groups first
   limit = jnp.minimum(jnp.sum(live, dtype=jnp.int32), max_groups)
@@ -346,7 +349,7 @@ def _grow_row(
   scored = rank < j
   unscored = live & ~scored
   log_u = logsumexp(log_mass, where=unscored)
-  fin = fin & ~jnp.any(unscored & (log_mass == jnp.inf))
+  fin = fin & ~jnp.any(unscored & broken)
   log_tail = jnp.logaddexp(log_u, lse(m, zd))
   log_tv = core.tail_log_bound(
     lse(m, z),
@@ -954,6 +957,7 @@ def certify_selection(
   query = _check_query(query, index)
   static, dynamic = _split_scale(checks.check_scale(scale, index.head_dim))
   positions = _check_positions(positions, query, index)
+  # rounds as grow_selection's (no round runs): one compilation for both.
   _, cert, _, _ = _selection(
     query,
     index,
@@ -962,7 +966,7 @@ def certify_selection(
     dynamic,
     scale=static,
     max_groups=0,
-    rounds=1,
+    rounds=index.groups_per_round,
   )
   return cert
 
