@@ -100,8 +100,8 @@ def row_errors(q, q_flushed, index, scale) -> tuple[jax.Array, jax.Array]:
     q_flushed=q_flushed,
     k_flushed=index.key_flushed[:, :, None],
   )
-  a = jnp.minimum(a, core.mul_up(qn, kn))
-  abs_s = core.mul_up(scale, a) * (1 + 4 * jnp.finfo(dt).eps) + delta
+  a = jnp.minimum(a, qn * kn * (1 + 2 * jnp.finfo(dt).eps))
+  abs_s = scale * a * (1 + 4 * jnp.finfo(dt).eps) + delta
   return delta, abs_s
 
 

@@ -149,6 +149,16 @@ def _log_tiny_inv(dtype) -> float:
   return -math.log(float(jnp.finfo(dtype).tiny))
 
 
+def _opaque(x):
+  """``x`` hidden from XLA's algebraic simplifier.
+
+  XLA reassociates products with constant factors ((c1 * x) * c2 -> x *
+  (c1 c2)) and folds c1 c2 at compile time; with c2 ~ tiny that product
+  underflows to 0 and a positive bound reads 0. A barrier keeps the order.
+  """
+  return jax.lax.optimization_barrier(x)
+
+
 def value_norms(values) -> jax.Array:
   """``[..., n]`` ||v_j||_2 of ``[..., n, d_v]`` values, rounded up.
 
@@ -226,9 +236,8 @@ def logit_error_bound(
   partial sums. It is +inf when A, scale A or scale A + B reach a quarter of
   the largest float (a partial sum may then overflow, so a computed -inf
   logit need not be a key of zero mass): the certificate is then trivial
-  but sound. Norms come from ``norms_up`` and every product from
-  ``mul_up``, so it neither overflows (q ~ 1e-20 with k ~ 1e20 gives A ~ 1)
-  nor underflows to 0 (||q|| ~ 1e-38 with ||k|| ~ 1e38).
+  but sound. Norms come from ``norms_up``, so it neither overflows (q ~
+  1e-20 with k ~ 1e20 gives A ~ 1) nor underflows to 0.
 
   Args:
     q_norm: ``[...]`` ||q|| rounded up (``norms_up``).
@@ -263,18 +272,19 @@ def logit_error_bound(
   q_norm, k_norm = q_norm.astype(dt), k_norm.astype(dt)
   scale = jnp.asarray(scale, dt)
   d = head_dim
-  # Every product through ``mul_up``: (scale ||q||) ||k|| and scale sqrt(d)
-  # tiny ||k|| neither flush to 0 (||q|| = 1.5e-38, scale 1e-20) nor
-  # overflow where the product itself does not (||q|| ||k|| > 3.4e38 with
-  # scale 1e-30).
-  a = mul_up(q_norm, k_norm)  # Cauchy-Schwarz, rounded up
+  a = q_norm * k_norm * (1 + 2 * eps)  # Cauchy-Schwarz, rounded up
   if abs_dot is not None:
     a = jnp.minimum(a, jnp.asarray(abs_dot, dt))
-  rt_d = math.sqrt(d) * (1 + 1e-6)
-  flush = jnp.where(q_flushed, mul_up(scale, rt_d, tiny, k_norm), 0.0)
-  flush = flush + jnp.where(k_flushed, mul_up(scale, rt_d, tiny, q_norm), 0.0)
-  sa = mul_up(scale, a)
-  delta = mul_up(sa, (d + 4) * eps) + flush
+  flush = jnp.where(q_flushed, k_norm, 0.0) + jnp.where(k_flushed, q_norm, 0.0)
+  # Through a barrier: XLA reassociates constant factors, and scale *
+  # sqrt(d) tiny folded at compile time underflows to 0 (scale 1e-20).
+  flush = flush * _opaque(jnp.sqrt(jnp.asarray(d, dt)) * tiny)
+  # Plain products are sound here (``mul_up`` is not needed): a product
+  # that flushes is below tiny (x the factor left, which is a scale), and
+  # the (2 d + 16) tiny max(1, scale) term covers it; one that overflows
+  # sets the overflow flag (a trivial certificate).
+  sa = scale * a
+  delta = sa * ((d + 4) * eps) + scale * flush
   delta = delta + (2 * d + 16) * tiny * jnp.maximum(scale, 1.0)
   overflow = (a >= big) | (sa >= big)
   if bias_abs is not None:

@@ -189,10 +189,10 @@ def ball_upper_bound(query, summary: BallSummary, *, scale) -> jax.Array:
 
   u_b = scale * (q.c_b + ||q|| r_b) >= max_{i in B_b} scale q.k_i (Cauchy-
   Schwarz), rounded up. Norms are scaled (``_floats.norms_up``: no square
-  overflows for |q_c| > 1.8e19 nor underflows for tiny ones) and the
-  products scale ||q|| r_b and ||q|| (||c|| + r_b) are formed by
-  ``_floats.mul_up`` (scale ||q|| may be subnormal while the product with
-  r_b is of order one). Empty blocks get -inf.
+  overflows for |q_c| > 1.8e19 nor underflows for tiny ones) and the ball
+  term scale ||q|| r_b is formed by ``_floats.mul_up`` (scale ||q|| may be
+  subnormal while the product with r_b is of order one). Empty blocks get
+  -inf.
 
   Args:
     query: ``[..., head_dim]``; leading axes broadcast against the summary's.
@@ -217,11 +217,12 @@ def ball_upper_bound(query, summary: BallSummary, *, scale) -> jax.Array:
   # computed in this dtype (THEORY 3.4); and the terms lost to subnormal
   # components read as 0: sqrt(d) tiny (||c|| + r) where q has some, and
   # sqrt(d) tiny ||q|| for those of c or of the keys.
-  mag = _floats.mul_up(qn, cn + r)
+  # (Plain products: one that flushes is below tiny, which the final
+  # (d + 4) tiny covers; one that overflows is an honest +inf.)
+  mag = qn * (cn + r)
   q_sub = _floats.flushed(q_in)[..., None]  # [..., 1]
-  rt_d = 2 * d**0.5 + 2
-  lost = _floats.mul_up(rt_d, fi.tiny, qn + 1)
-  lost = lost + jnp.where(q_sub, _floats.mul_up(rt_d, fi.tiny, cn + r), 0.0)
+  lost_unit = (2 * d**0.5 + 2) * float(fi.tiny)  # a normal constant
+  lost = lost_unit * (qn + 1) + jnp.where(q_sub, lost_unit * (cn + r), 0.0)
   slack = _dot_slack(jnp.sum(jnp.abs(prod), axis=-1) + mag, d, dt) + lost
   a = scale * (qc + slack)
   b = _floats.mul_up(scale, qn, r)  # the ball term, never flushed

@@ -152,13 +152,26 @@ def norms_up(x, axis=-1) -> jax.Array:
   return nrm
 
 
+def _split(x, dt):
+  """(m, e) with x = m 2^e, m in [1, 2), for positive normal finite ``x``
+  (bit operations: a few ops, no ``frexp``)."""
+  fi = jnp.finfo(dt)
+  ut = _uint(dt)
+  bits = jax.lax.bitcast_convert_type(x, ut)
+  e = (bits >> fi.nmant).astype(jnp.int32) - (1 - fi.minexp)
+  one = jnp.asarray((1 - fi.minexp) << fi.nmant, ut)  # the bits of 1.0
+  mant = jnp.asarray((1 << fi.nmant) - 1, ut)
+  m = jax.lax.bitcast_convert_type((bits & mant) | one, dt)
+  return m, e
+
+
 def mul_up(*factors) -> jax.Array:
   """Product of nonnegative factors, rounded up, with no intermediate flush.
 
-  Each factor is split into mantissa and exponent (``frexp``, exact); the
-  mantissas (in [0.5, 1)) are multiplied, the exponents added, and the
-  product is rebuilt with an exact power of two. So (scale ||q||) r is not
-  0 because scale ||q|| is subnormal, and ||q|| ||k|| scale is not +inf
+  Each factor is split into mantissa and exponent (exactly, from its
+  bits); the mantissas (in [1, 2)) are multiplied, the exponents added, and
+  the product is rebuilt with an exact power of two. So (scale ||q||) r is
+  not 0 because scale ||q|| is subnormal, and ||q|| ||k|| scale is not +inf
   because ||q|| ||k|| overflows when the product does not. Subnormal
   factors (read as 0 by a CPU) are taken as the smallest normal (an upper
   bound).
@@ -176,33 +189,25 @@ def mul_up(*factors) -> jax.Array:
   arrays = [jnp.asarray(f) for f in factors]
   dt = _compute_dtype(jnp.result_type(*arrays))
   fi = jnp.finfo(dt)
-  xs = []
+  mant = expo = None
+  zero = inf = nan = False
   for x in arrays:
     if not jnp.issubdtype(x.dtype, jnp.floating):
       x = x.astype(dt)
-    xs.append(jnp.where(subnormal(x), fi.tiny, x.astype(dt)))
-  shape = jnp.broadcast_shapes(*(x.shape for x in xs))
-  mant = jnp.ones(shape, dt)
-  expo = jnp.zeros(shape, jnp.int32)
-  zero = jnp.zeros(shape, bool)
-  inf = jnp.zeros(shape, bool)
-  nan = jnp.zeros(shape, bool)
-  for x in xs:
+    x = jnp.where(subnormal(x), fi.tiny, x.astype(dt))
     zero = zero | (x == 0)
     inf = inf | (x == jnp.inf)
     nan = nan | jnp.isnan(x)
-    ok = jnp.isfinite(x) & (x > 0)
-    m, e = jnp.frexp(jnp.where(ok, x, 1.0))
-    mant = mant * m  # in [2^-n, 1): never flushes for n <= 120 factors
-    expo = expo + e
-  m, e = jnp.frexp(mant)  # m in [0.5, 1)
+    m, e = _split(jnp.where(jnp.isfinite(x) & (x > 0), x, 1.0), dt)
+    mant = m if mant is None else mant * m  # < 2^k: no flush, no overflow
+    expo = e if expo is None else expo + e
+  m, e = _split(mant, dt)  # mant >= 1: normal
   expo = expo + e
-  # n - 1 products of mantissas, each rounded by eps / 2.
-  m2 = 2 * m * (1 + len(xs) * fi.eps)  # in [1, 2 + small)
-  ex = expo - 1  # product <= m2 2^ex
-  big = ex > fi.maxexp - 1
-  small = ex < fi.minexp
-  r = m2 * pow2(jnp.clip(ex, fi.minexp, fi.maxexp - 1), dt)  # exact or inf
+  # k - 1 products of mantissas, each rounded by eps / 2.
+  m = m * (1 + len(arrays) * fi.eps)  # in [1, 2 + small)
+  big = expo > fi.maxexp - 1
+  small = expo < fi.minexp
+  r = m * pow2(jnp.clip(expo, fi.minexp, fi.maxexp - 1), dt)  # exact or inf
   r = jnp.where(big, jnp.inf, jnp.where(small, fi.tiny, r))
   r = jnp.where(zero, 0.0, jnp.where(inf, jnp.inf, r))
   return jnp.where(nan | (zero & inf), jnp.nan, r)
@@ -211,29 +216,33 @@ def mul_up(*factors) -> jax.Array:
 def mul_norm_up(t, y) -> jax.Array:
   """t times the norm stored as ``y`` (``norms_and_finite(compress=True)``).
 
-  ``y`` at or below the knee is the norm itself; above it the norm is
-  K + (y - K) 2^_SHRINK (K the knee), which may exceed the largest float:
-  the product is formed as t K + t (y - K) 2^_SHRINK by ``mul_up``, so it
-  is +inf only when it exceeds the largest float itself.
+  ``y`` at or below the knee K is the norm itself; above it the norm is
+  K + (y - K) 2^_SHRINK, which may exceed the largest float: the product is
+  formed as t K + (t (y - K)) 2^_SHRINK (t is a tv bound or a fraction,
+  at most 2, so no intermediate overflows before the product itself does,
+  and a factor of y - K >= one ulp of K never flushes), rounded up. Inputs
+  below the smallest normal count as it; a positive product is never 0.
 
   Args:
-    t: nonnegative factor(s) (e.g. a tv bound).
+    t: nonnegative factor(s) in [0, 2] (e.g. a tv bound).
     y: stored norm(s), broadcasting with ``t``.
 
   Returns:
-    t x rounded up (``mul_up``'s conventions for 0, +inf and NaN).
+    t x rounded up; +inf only when it exceeds the largest float; NaN where
+    an input is NaN.
   """
   t, y = jnp.asarray(t), jnp.asarray(y)
   dt = _compute_dtype(jnp.result_type(t, y))
   fi = jnp.finfo(dt)
-  y = y.astype(dt)
+  t = jnp.where(subnormal(t), fi.tiny, t.astype(dt))
+  y = jnp.where(subnormal(y), fi.tiny, y.astype(dt))
   knee = _knee(dt)
   small = ~(y > knee)  # NaN: the plain product (NaN)
-  a = mul_up(t, jnp.where(small, y, knee))
-  over = (y - knee) * (1 + fi.eps)  # y - K, rounded up
-  b = mul_up(t, jnp.where(small, 0.0, over), float(2**_SHRINK))
-  tot = jnp.where(small, a, (a + b) * (1 + 2 * fi.eps))
-  return tot
+  a = t * jnp.where(small, y, knee)
+  over = jnp.where(small, 0.0, y - knee)  # exact or one rounding
+  b = (t * over) * float(2**_SHRINK)  # the scaling is exact
+  tot = (a + b) * (1 + 4 * fi.eps)
+  return jnp.where((t > 0) & (y > 0), jnp.maximum(tot, fi.tiny), tot)
 
 
 def dist_up(x, c) -> jax.Array:
