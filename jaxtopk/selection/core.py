@@ -16,10 +16,13 @@ Contract (every function):
   subnormal to near overflow. XLA on CPU reads subnormal inputs as 0 and
   flushes subnormal results to 0; every bound here accounts for both: a
   positive bound never reads 0 (it is raised to the smallest normal), a
-  product of bounds is formed by ``mul_up`` (never flushed to 0 by a
-  subnormal intermediate, never overflowing to a wrong finite value), and
-  norms scale by exact powers of two (never by a reciprocal that could be
-  subnormal). Every product of the inputs a certificate rests on runs at
+  product of bounds never overflows to a wrong finite value nor loses a
+  large value to a flushed intermediate (a product whose partial product
+  may be subnormal while the next factor is large, like the ball term scale
+  ||q|| r, is formed by ``mul_up``; elsewhere a flushed product is below
+  tiny times a scale, which the bounds' tiny terms cover), and norms scale
+  by exact powers of two (never by a reciprocal that could be subnormal).
+  Every product of the inputs a certificate rests on runs at
   ``PRECISION`` (full float32 passes), on CPU, GPU and TPU alike.
 - An honest bound that overflows is +inf. A +inf logit error makes the
   certificate TRIVIAL (tv_bound = 1, output_error_bound = +inf), which is
@@ -82,10 +85,11 @@ Names (one line each):
 - ``MIN_SCALE``: the smallest logit scale covered (float32's smallest
   normal).
 - ``mul_up(*factors)``: a product of nonnegative factors rounded up, no
-  intermediate flush or overflow (the one way bounds multiply norms and
-  scales); ``dist_up(x, c)``: ||x - c|| rounded up (ball radii). Both, with
-  ``flushed`` and ``norms_up``, are defined in ``jaxtopk.theory`` (its
-  ``_floats``), below both layers.
+  intermediate flush or overflow (for products whose partial product may
+  flush while the next factor is large); ``dist_up(x, c)``: ||x - c||
+  rounded up (ball radii). Both, with ``flushed``, ``norms_up`` and
+  ``mul_norm_up``, are defined in ``jaxtopk.theory`` (its ``_floats``),
+  below both layers.
 """
 
 import dataclasses
@@ -106,7 +110,6 @@ norms_up = _theory.norms_up
 mul_up = _theory.mul_up
 mul_norm_up = _theory.mul_norm_up
 dist_up = _theory.dist_up
-_subnormal = _theory.subnormal
 
 # THE matmul precision of every product a certificate is computed from (q.k
 # logits, q.c of group centres, box and ball bounds, MC samples): full
