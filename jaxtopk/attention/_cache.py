@@ -21,6 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxtopk.attention import checks
 from jaxtopk.selection import core
 from jaxtopk.theory import BoxSummary
 
@@ -39,10 +40,11 @@ class KVCache:
     kmax: ``[batch, kv_heads, n_blocks, head_dim]`` float32 maximum (-inf
       for an empty block).
     vnorm: ``[batch, kv_heads, n_blocks]`` float32 largest ||v||_2 of the
-      block's filled values, rounded up (0 for an empty block).
+      block's filled values, rounded up (0 for an empty block; as stored by
+      ``core.value_norms``, compressed above 2^126).
     value_norms: ``[batch, kv_heads, max_len]`` float32 ||v_j||_2 of each
       filled value, rounded up (``core.value_norms``: NaN for a value with a
-      non-finite component; 0 at empty positions).
+      non-finite component, compressed above 2^126; 0 at empty positions).
     kabs: ``[batch, kv_heads, head_dim]`` float32 largest |k_c| over the
       filled keys (0 when empty).
     knorm: ``[batch, kv_heads]`` float32 largest ||k_j||_2 over the filled
@@ -158,7 +160,6 @@ def init_kv_cache(
   )
 
 
-@jax.jit
 def kv_cache_update(cache: KVCache, key, value, *, num_steps=None) -> KVCache:
   """Appends ``steps`` positions to every batch row of the cache.
 
@@ -173,17 +174,23 @@ def kv_cache_update(cache: KVCache, key, value, *, num_steps=None) -> KVCache:
     cache: a KVCache.
     key: ``[batch, steps, kv_heads, head_dim]`` (jax.nn layout).
     value: ``[batch, steps, kv_heads, head_dim_v]``.
-    num_steps: optional ``[batch]`` int, how many of the ``steps`` are real
-      for each row (e.g. a right-padded prefill of prompts of different
-      lengths); the rest are not written. Default: all.
+    num_steps: optional ``[batch]`` integers (or one integer for every row),
+      how many of the ``steps`` are real for each row (e.g. a right-padded
+      prefill of prompts of different lengths); the rest are not written.
+      Default: all. Concrete values must lie in [0, steps]; traced ones
+      (under jit) are clipped to it.
 
   Returns:
     The updated KVCache.
 
   Raises:
-    ValueError: if key/value shapes do not match the cache.
+    TypeError: key or value not real floating (complex keys are not cast to
+      real), num_steps not integers.
+    ValueError: if key/value shapes do not match the cache, or num_steps is
+      not ``[batch]`` / a scalar or out of range.
   """
-  key, value = jnp.asarray(key), jnp.asarray(value)
+  key = checks.check_array(key, "key")
+  value = checks.check_array(value, "value")
   b, h, _, d = cache.keys.shape
   dv = cache.values.shape[-1]
   if key.ndim != 4 or key.shape[0] != b or key.shape[2:] != (h, d):
@@ -196,11 +203,19 @@ def kv_cache_update(cache: KVCache, key, value, *, num_steps=None) -> KVCache:
       f"value must be {key.shape[:3] + (dv,)}; got {value.shape=}"
     )
   steps = key.shape[1]
-  t = jnp.arange(steps, dtype=jnp.int32)
-  pos = cache.length[:, None] + t  # [b, st]
   if num_steps is None:
     num_steps = jnp.full((b,), steps, jnp.int32)
-  num_steps = jnp.clip(jnp.asarray(num_steps, jnp.int32), 0, steps)
+  else:
+    num_steps = checks.check_counts(num_steps, "num_steps", b, steps)
+  return _update(cache, key, value, num_steps)
+
+
+@jax.jit
+def _update(cache, key, value, num_steps):
+  b = cache.keys.shape[0]
+  steps = key.shape[1]
+  t = jnp.arange(steps, dtype=jnp.int32)
+  pos = cache.length[:, None] + t  # [b, st]
   # Padded steps go out of range and are dropped by every scatter below.
   pos = jnp.where(t[None, :] < num_steps[:, None], pos, cache.max_len)
   bi = jnp.arange(b)[:, None]  # [b, 1]

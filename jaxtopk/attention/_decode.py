@@ -83,7 +83,7 @@ BRACKET_BINS = 256  # bins of the certified bracket's column-mass histogram
 # Static gather capacity of Certified(eps) (kept keys), as a fraction of the
 # cache: rows keeping more take the dense value product.
 CERTIFIED_CAPACITY = 1 / 32
-_HIGHEST = lax.Precision.HIGHEST
+_HIGHEST = core.PRECISION  # full float32 products (the bounds assume it)
 
 DECODE_IMPLEMENTATIONS: dict[str | None, Callable] = {}
 
@@ -105,7 +105,8 @@ class _Step:
     delta: ``[b, hk, g]`` logit error bound (``core.logit_error_bound``).
     vn: ``[b, hk, 1, n]`` value norms (``cache.value_norms``).
     n_valid: ``[b, hk, g]`` int32 filled positions.
-    scale_ok: bool or ``[]``, a traced scale is finite and > 0.
+    scale_ok: bool or ``[]``, a traced scale is finite and >=
+      ``core.MIN_SCALE``.
     cache: the KVCache.
     scale: the logit scale (float or traced 0-d array).
   """
@@ -627,8 +628,9 @@ def decode_attention(
       cache's kv heads.
     cache: a KVCache (or an IndexedKVCache, which searches its groups).
     policy: a selection policy.
-    scale: logit scale, default 1/sqrt(head_dim); a number > 0, or a JAX
-      scalar (traced OK; rows are invalid where it is not finite and > 0).
+    scale: logit scale, default 1/sqrt(head_dim); a number >= float32's
+      smallest normal (``core.MIN_SCALE``), or a JAX scalar (traced OK; rows
+      are invalid where it is not finite and >= ``core.MIN_SCALE``).
     implementation: None or 'xla', or a registered backend.
     key: PRNG key for Certified(search='mc').
 

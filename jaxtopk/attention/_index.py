@@ -47,7 +47,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxtopk.attention import checks
 from jaxtopk.attention._cache import KVCache
 from jaxtopk.selection import core
 
@@ -79,9 +81,12 @@ class IndexedKVCache:
     count: ``[b, hk, G]`` int32 members per group.
     centre: ``[b, hk, G, d]`` float32 group centre c (0 for empty groups).
     radius: ``[b, hk, G]`` float32 r >= max_i ||k_i - c|| (exact values of
-      the stored keys and of c), rounded up.
+      the stored keys and of c), rounded up; NaN for a group holding a key
+      with a non-finite component (its keys cannot be bounded: a row that
+      leaves them unscored is invalid).
     centre_norm: ``[b, hk, G]`` float32 ||c|| rounded up.
-    vnorm: ``[b, hk, G]`` float32 largest ||v|| of the members, rounded up.
+    vnorm: ``[b, hk, G]`` float32 largest ||v|| of the members, rounded up
+      (``core.value_norms``: compressed above 2^126).
     slot: ``[b, hk, n]`` int32 ``g * C + j`` of each filled position, -1
       for unfilled positions.
     key_absmax: ``[b, hk, d]`` float32 max_i |k_ic| over the stored keys
@@ -191,8 +196,12 @@ def _kmeans_row(x, valid, num_clusters, iters, sample, rng):
     pad = -m % chunk
     xp = jnp.pad(xx, ((0, pad), (0, 0))).reshape(-1, chunk, d)
     cn = jnp.sum(c * c, -1)  # [K]
+    # RANK ONLY: the assignment orders centres by distance; the summaries
+    # are computed from the members afterwards (``_group_summaries``), so
+    # any precision is sound here (fast TF32 / bf16 passes are fine).
     near = lambda xc: jnp.argmin(cn - 2 * xc @ c.T, -1)  # [chunk]
-    return jax.lax.map(near, xp).reshape(-1)[:m]
+    with jax.named_scope("rank_only"):
+      return jax.lax.map(near, xp).reshape(-1)[:m]
 
   def step(_, c):
     a = assign(c, xs)
@@ -217,8 +226,12 @@ def _group_summaries(x, v, valid, grp, num_groups):
   dist = radius_to(x, centre[jnp.minimum(g, num_groups - 1)])  # [n]
   dist = jnp.where(valid, dist, 0.0)
   radius = _segment_max(dist, g, num_groups + 1, 0.0)[:num_groups]
+  # segment_max drops NaN; a non-finite key makes its group's radius NaN
+  # (read by ``group_upper_bounds``), a non-finite value its group's norm.
+  kbad = ~jnp.all(jnp.isfinite(x), -1) & valid
+  kbad = jax.ops.segment_max(kbad.astype(jnp.int32), g, num_groups + 1)
+  radius = jnp.where(kbad[:num_groups] > 0, jnp.nan, radius)
   vn = jnp.where(valid, core.value_norms(v).astype(x.dtype), 0.0)
-  # segment_max drops NaN; a non-finite value makes its group's norm NaN.
   bad = jax.ops.segment_max(jnp.isnan(vn).astype(jnp.int32), g, num_groups + 1)
   vnorm = _segment_max(vn, g, num_groups + 1, 0.0)[:num_groups]
   vnorm = jnp.where(bad[:num_groups] > 0, jnp.nan, vnorm)
@@ -358,7 +371,7 @@ def _build_row(
   absmax = jnp.max(jnp.where(valid[:, None], jnp.abs(x), 0.0), 0)  # [d]
   knorm = jnp.max(jnp.where(valid, norm_up(x), 0.0), initial=0.0)
   kflush = jnp.any(valid & core.flushed(keys, -1))
-  nonempty = cnt > 0
+  nonempty = (cnt > 0) & ~jnp.isnan(radius)  # NaN: a non-finite key
   open_r = jnp.sum(jnp.where(nonempty, radius, 0.0)) / jnp.maximum(
     jnp.sum(nonempty), 1
   )
@@ -428,7 +441,9 @@ def _build(
 
 
 def _check_int(name, val, lo=1):
-  if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+  if isinstance(val, bool | np.bool_) or not isinstance(val, int | np.integer):
+    raise ValueError(f"{name}={val!r} must be an int >= {lo}")
+  if val < lo:
     raise ValueError(f"{name}={val!r} must be an int >= {lo}")
 
 
@@ -450,8 +465,9 @@ def build_kv_index(
     keys: ``[batch, n, kv_heads, head_dim]`` (jax.nn layout; transposed to
       head-major once here).
     values: ``[batch, n, kv_heads, head_dim_v]``.
-    lengths: optional ``[batch]`` int, real positions per row (the first
-      ``lengths[b]``); default all ``n``.
+    lengths: optional ``[batch]`` integers (or one for every row), real
+      positions per row (the first ``lengths[b]``), in [0, n]; default all
+      ``n`` (traced lengths are clipped to [0, n]).
     max_len: capacity in positions (>= n), room for ``kv_index_update``;
       default ``n``.
     group_size: capacity C of a group (static), the unit the searches read.
@@ -474,7 +490,9 @@ def build_kv_index(
     An IndexedKVCache holding the first ``lengths`` positions of each row.
 
   Raises:
-    ValueError: on bad shapes or sizes.
+    TypeError: keys or values not real floating (int, bool and complex are
+      refused by name), lengths not integers.
+    ValueError: on bad shapes or sizes, lengths out of [0, n].
 
   Example:
     >>> import jax, jaxtopk
@@ -483,7 +501,8 @@ def build_kv_index(
     >>> index.keys.shape  # 10 + 5 groups of 32 slots
     (1, 2, 15, 32, 16)
   """
-  keys, values = jnp.asarray(keys), jnp.asarray(values)
+  keys = checks.check_array(keys, "keys")
+  values = checks.check_array(values, "values")
   if keys.ndim != 4:
     raise ValueError(
       f"keys must be [batch, n, kv_heads, head_dim]; got {keys.shape=}"
@@ -512,9 +531,8 @@ def build_kv_index(
   _check_int("groups_per_round", groups_per_round)
   if lengths is None:
     lengths = jnp.full((b,), n, jnp.int32)
-  lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, n)
-  if lengths.shape != (b,):
-    raise ValueError(f"lengths must be [batch={b}]; got {lengths.shape=}")
+  else:
+    lengths = checks.check_counts(lengths, "lengths", b, n)
   return _build(
     keys,
     values,
@@ -589,6 +607,8 @@ def _append_row(row, k, v, pos, write, c_sz):
   ok = write & (j < c_sz)
   centre_g = jnp.where(opening, x, row["centre"][g])
   r_new = jnp.where(opening, radius_to(x, x), dist[g])
+  # A non-finite key marks its group (NaN radius: ``group_upper_bounds``).
+  r_new = jnp.where(jnp.all(jnp.isfinite(x)), r_new, jnp.nan)
   upd = lambda a, val: a.at[g].set(jnp.where(ok, val, a[g]))
   out = dict(row)
   out["centre"] = upd(row["centre"], centre_g)
@@ -633,7 +653,6 @@ _ROW_FIELDS = (
 )
 
 
-@jax.jit
 def kv_index_update(
   index: IndexedKVCache, key, value, *, num_steps=None
 ) -> IndexedKVCache:
@@ -649,15 +668,20 @@ def kv_index_update(
     index: an IndexedKVCache.
     key: ``[batch, steps, kv_heads, head_dim]`` (jax.nn layout).
     value: ``[batch, steps, kv_heads, head_dim_v]``.
-    num_steps: optional ``[batch]`` int, how many of the steps are real.
+    num_steps: optional ``[batch]`` integers (or one for every row), how
+      many of the steps are real (as ``kv_cache_update``: in [0, steps]
+      when concrete, clipped when traced).
 
   Returns:
     The updated IndexedKVCache.
 
   Raises:
-    ValueError: if key/value shapes do not match the index.
+    TypeError: key or value not real floating, num_steps not integers.
+    ValueError: if key/value shapes do not match the index, or num_steps
+      is not ``[batch]`` / a scalar or out of range.
   """
-  key, value = jnp.asarray(key), jnp.asarray(value)
+  key = checks.check_array(key, "key")
+  value = checks.check_array(value, "value")
   b, hk, _, c_sz, d = index.keys.shape
   dv = index.values.shape[-1]
   if key.ndim != 4 or key.shape[0] != b or key.shape[2:] != (hk, d):
@@ -672,7 +696,15 @@ def kv_index_update(
   steps = key.shape[1]
   if num_steps is None:
     num_steps = jnp.full((b,), steps, jnp.int32)
-  num_steps = jnp.clip(jnp.asarray(num_steps, jnp.int32), 0, steps)
+  else:
+    num_steps = checks.check_counts(num_steps, "num_steps", b, steps)
+  return _index_update(index, key, value, num_steps)
+
+
+@jax.jit
+def _index_update(index, key, value, num_steps):
+  b, hk, _, c_sz, d = index.keys.shape
+  steps = key.shape[1]
   key = key.astype(index.keys.dtype)
   value = value.astype(index.values.dtype)
   row_fn = functools.partial(_append_row, c_sz=c_sz)

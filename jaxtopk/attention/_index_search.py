@@ -45,15 +45,16 @@ while loop runs every row until the slowest stops, so time would follow the
 largest row's keys; this way it follows the total keys read.
 """
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.scipy.special import logsumexp
 
 from jaxtopk import selection
+from jaxtopk.attention import checks
 from jaxtopk.attention._index import IndexedKVCache
 from jaxtopk.attention._index import norm_up
 from jaxtopk.selection import core
@@ -107,12 +108,16 @@ def row_errors(q, q_flushed, index, scale) -> tuple[jax.Array, jax.Array]:
 def group_upper_bounds(q, index: IndexedKVCache, scale, q_flushed=True):
   """Sound upper bounds u_g on every member logit of every group.
 
-  u_g = scale (q.c_g + ||q|| r_g): t1 = the computed scale q.c_g, off by at
-  most delta_c (``core.logit_error_bound`` for c_g as a key, subnormal
-  components assumed), t2 = scale ||q|| r_g (norms rounded up), then
-  u_g = t1 + delta_c + t2 + 4 eps (|t1| + |t2| + delta_c) + tiny (the
-  additions' rounding; a flushed result). Empty groups get -inf; a NaN
-  bound becomes +inf (never skipped).
+  u_g = scale (q.c_g + ||q|| r_g): t1 = the computed scale q.c_g (at
+  ``core.PRECISION``), off by at most delta_c (``core.logit_error_bound``
+  for c_g as a key, subnormal components assumed), t2 = scale ||q|| r_g
+  (norms rounded up, the product by ``core.mul_up``: with ||q|| = 1.5e-38
+  the product scale ||q|| is subnormal, and formed first it would flush the
+  ball term to 0), then u_g = t1 + delta_c + t2 + 4 eps (|t1| + |t2| +
+  delta_c) + tiny (the additions' rounding; a flushed result). Empty groups
+  get -inf. A group holding a non-finite key (its radius is NaN) gets NaN:
+  searched first, and a row that leaves it unscored is invalid. A bound
+  that overflows is +inf (a trivial, sound bound).
 
   Args:
     q: ``[b, hk, g, d]`` queries (compute dtype), g per kv head (GQA).
@@ -127,7 +132,8 @@ def group_upper_bounds(q, index: IndexedKVCache, scale, q_flushed=True):
   fin = jnp.finfo(dt)
   d = q.shape[-1]
   c = index.centre.astype(dt)
-  t1 = scale * jnp.einsum("bkgd,bkGd->bkgG", q, c)  # [b, hk, g, G]
+  qc = jnp.einsum("bkgd,bkGd->bkgG", q, c, precision=core.PRECISION)
+  t1 = scale * qc  # [b, hk, g, G]
   qn = norm_up(q)[..., None]  # [b, hk, g, 1]
   delta_c = core.logit_error_bound(
     q_norm=qn,
@@ -137,10 +143,11 @@ def group_upper_bounds(q, index: IndexedKVCache, scale, q_flushed=True):
     q_flushed=jnp.asarray(q_flushed)[..., None],
     k_flushed=True,
   )
-  t2 = scale * qn * index.radius[:, :, None].astype(dt) * (1 + 3 * fin.eps)
+  t2 = core.mul_up(scale, qn, index.radius[:, :, None].astype(dt))
   u = t1 + delta_c + t2
   u = u + 4 * fin.eps * (jnp.abs(t1) + jnp.abs(t2) + delta_c) + fin.tiny
-  u = jnp.where(jnp.isnan(u), jnp.inf, u)
+  bad = jnp.isnan(index.radius)[:, :, None]  # a non-finite key
+  u = jnp.where(bad, jnp.nan, jnp.where(jnp.isnan(u), jnp.inf, u))
   return jnp.where(index.count[:, :, None] > 0, u, -jnp.inf)
 
 
@@ -226,7 +233,8 @@ def _grow_row(
     count: ``[G]`` members per group.
     log_mass: ``[G]`` log of a sound bound on the mass of each group's keys
       NOT yet kept (-inf where none remain).
-    init: ``(m, z, o)`` online-softmax state of the keys already kept.
+    init: ``(m, z, o)`` online-softmax state of the keys already kept
+      (``o`` NORMALISED: their softmax-weighted mean value).
     exclude: ``[G, C]`` bool slots already kept (never rescored), or None.
     delta: logit error of the row (``row_errors``).
     err: rounding coefficient of the row's log masses (``_err_units``).
@@ -242,7 +250,12 @@ def _grow_row(
   is scored but not kept: its exact mass joins the tail (the certificate
   stays exact for it) and its values are never read, so on concentrated
   rows the later rounds cost keys only. Kept rounds add their values to
-  the online-softmax output.
+  the online-softmax output, kept NORMALISED as ``core.online_step`` does
+  (o' = (z / z') o + sum_j (p_j / z') v_j, every weight <= 1): an
+  unnormalised sum of 16 values of 3e37 overflows where their mean does
+  not. A group left unscored whose bound is NaN (it holds a non-finite key,
+  ``group_upper_bounds``) makes the row invalid: its logits could be NaN or
+  +inf. A +inf bound (an overflow) only makes the certificate trivial.
 
   Returns:
     ``(out, log_tv, scored_group, kept_group, n_scored, n_kept, has_head,
@@ -253,7 +266,8 @@ def _grow_row(
   r = rounds
   dt = q.dtype
   eps = jnp.finfo(dt).eps
-  log_mass = jnp.where(jnp.isnan(log_mass), jnp.inf, log_mass)
+  broken = jnp.isnan(log_mass)  # a group holding a non-finite key
+  log_mass = jnp.where(broken, jnp.inf, log_mass)  # searched first
   live = log_mass > -jnp.inf
   order, suffix = _order_groups(log_mass)  # live groups first
   limit = jnp.minimum(jnp.sum(live, dtype=jnp.int32), max_groups)
@@ -284,8 +298,10 @@ def _grow_row(
     ok = (jnp.arange(c_sz)[None, :] < count[gi][:, None]) & ok_g[:, None]
     if exclude is not None:
       ok = ok & ~exclude[gi]
-    s = jnp.einsum("rcd,d->rc", kb.astype(dt), q) * scale  # [R, C]
-    fin = fin & jnp.all(jnp.where(ok, jnp.isfinite(s), True))
+    s = jnp.einsum("rcd,d->rc", kb.astype(dt), q, precision=core.PRECISION)
+    s = s * scale  # [R, C]
+    # The rule of ``core.logits_ok``: NaN / +inf invalid, -inf zero mass.
+    fin = fin & core.logits_ok(s.reshape(-1), ok.reshape(-1))
     m_new = jnp.maximum(m, jnp.max(jnp.where(ok, s, -jnp.inf)))
     m_ref = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     alpha = jnp.where(m > -jnp.inf, jnp.exp(m - m_ref), 0.0)
@@ -293,19 +309,21 @@ def _grow_row(
     mass = jnp.sum(p)
     z, zd = z * alpha, zd * alpha
     keep = ~(mass < thr * (z + zd + mass))  # NaN: kept (row invalid)
-    z = z + jnp.where(keep, mass, 0.0)
+    z_new = z + jnp.where(keep, mass, 0.0)
     zd = zd + jnp.where(keep, 0.0, mass)
-    o = lax.cond(
-      keep,
-      lambda o: (
-        o * alpha + jnp.einsum("rc,rcv->v", p, values[base + gi].astype(dt))
-      ),
-      lambda o: o * alpha,
-      o,
-    )
+    inv = 1.0 / jnp.where(z_new > 0, z_new, 1.0)
+
+    def add(o):  # o stays normalised (a rescale leaves it unchanged)
+      vals = values[base + gi].astype(dt)  # [R, C, dv]
+      pv = jnp.einsum("rc,rcv->v", p * inv, vals, precision=core.PRECISION)
+      return (z * inv) * o + pv
+
+    o = lax.cond(keep, add, lambda o: o, o)
+    z = z_new
     n = jnp.sum(ok, dtype=jnp.int32)
+    n_pos = jnp.sum(ok & (s > -jnp.inf), dtype=jnp.int32)  # of mass
     kept = kept.at[jnp.where(ok_g, gi, g_num)].set(keep, mode="drop")
-    n_kp = n_kp + jnp.where(keep, n, 0)
+    n_kp = n_kp + jnp.where(keep, n_pos, 0)
     return j + r, m_new, z, zd, o, n_sc + n, n_kp, fin, kept
 
   m0, z0, o0 = init
@@ -329,7 +347,9 @@ def _grow_row(
   j = jnp.minimum(j, limit)
   rank = jnp.zeros((g_num,), jnp.int32).at[order].set(jnp.arange(g_num))
   scored = rank < j
-  log_u = logsumexp(log_mass, where=live & ~scored)
+  unscored = live & ~scored
+  log_u = logsumexp(log_mass, where=unscored)
+  fin = fin & ~jnp.any(unscored & broken)
   log_tail = jnp.logaddexp(log_u, lse(m, zd))
   log_tv = core.tail_log_bound(
     lse(m, z),
@@ -339,9 +359,8 @@ def _grow_row(
     logit_error=delta,
     ok=True,
   )
-  out = o / jnp.where(z > 0, z, 1.0)
   has_head = (z > 0) & jnp.isfinite(m)
-  return out, log_tv, scored, kept & scored, n_sc, n_kp, has_head, fin
+  return o, log_tv, scored, kept & scored, n_sc, n_kp, has_head, fin
 
 
 def _rows(index, g):
@@ -384,23 +403,6 @@ def _split_heads(query, index, dt):
   return q.astype(dt), core.flushed(q, -1)
 
 
-def kept_rounding_error(delta, head_norm) -> jax.Array:
-  """Output error from logits off by at most ``delta`` inside the kept set.
-
-  With computed logits s_i + e_i, |e_i| <= delta, the kept weights change
-  by a factor in [e^{-2 delta}, e^{2 delta}], so their total variation is
-  at most 1 - e^{-2 delta} and the output moves by at most 2 (1 -
-  e^{-2 delta}) max_kept ||v|| (THEORY 4.1 with the rounding as the
-  perturbation). ``output_error_bound`` adds this: with logits ~1e30 two
-  tied keys differ by an ulp (~4e22) in float32 and the output is one value
-  instead of their mean, although no key was dropped (found by the soak;
-  ``core.output_error_bound`` does not cover it).
-  """
-  dt = head_norm.dtype
-  e = -jnp.expm1(-2 * delta.astype(dt))
-  return 2 * e * head_norm * (1 + 8 * jnp.finfo(dt).eps)
-
-
 def _finish(
   out,
   log_tv,
@@ -413,9 +415,14 @@ def _finish(
   delta,
   shape,
   query_dtype,
+  scale_ok=True,
   failure_prob=0.0,
 ):
-  """Validity (``core.row_valid``), Certificate, output in the query dtype."""
+  """Validity (``core.row_valid``), Certificate, output in the query dtype.
+
+  The output error includes how far the kept logits' rounding moves the
+  output (``core.logit_output_error``, added by ``finish_certificate``).
+  """
   b, h = shape
   norms_ok = ~(jnp.isnan(head_norm) | jnp.isnan(tail_norm))
   valid = core.row_valid(
@@ -423,6 +430,7 @@ def _finish(
     logits_ok=fin,
     norms_ok=norms_ok,
     output_ok=jnp.all(jnp.isfinite(out), -1),
+    scale_ok=scale_ok,
   )
   cert = core.finish_certificate(
     log_tv,
@@ -434,8 +442,6 @@ def _finish(
     logit_error=delta,
     failure_prob=failure_prob,
   )
-  err = cert.output_error_bound + kept_rounding_error(delta, head_norm)
-  cert = dataclasses.replace(cert, output_error_bound=err)
   out = jnp.where(valid[..., None], out, 0.0)
   out = out.reshape(b, 1, h, -1).astype(query_dtype)
   cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
@@ -446,10 +452,26 @@ def _summary_cost(index):
   return jnp.sum(index.count > 0, -1, dtype=jnp.int32) + _QUERY_SUMMARY_COST
 
 
+def _scale_of(static, dynamic):
+  """(scale, scale_ok): a static Python float, or a traced 0-d array whose
+  rows are invalid where it is not finite and >= ``core.MIN_SCALE``."""
+  if static is not None:
+    return static, True
+  return dynamic, checks.scale_ok(dynamic)
+
+
+def _split_scale(scale):
+  """``checks.check_scale``'s result as (static float or None, dynamic)."""
+  if isinstance(scale, float):
+    return scale, None
+  return None, scale
+
+
 @functools.partial(jax.jit, static_argnames=("policy", "scale"))
-def _search_decode(query, index, rng, eps, *, policy, scale):
+def _search_decode(query, index, rng, eps, dyn_scale=None, *, policy, scale):
   """Delta/MC-Search; ``eps`` is traced (``policy.eps`` is not read), so a
   sweep over eps compiles once."""
+  scale, scale_ok = _scale_of(scale, dyn_scale)
   b, _, h, d = query.shape
   dt = _dtype(query, index)
   q, qf = _split_heads(query, index, dt)  # [b, hk, g, d], [b, hk, g]
@@ -530,21 +552,24 @@ def _search_decode(query, index, rng, eps, *, policy, scale):
     delta,
     (b, h),
     query.dtype,
+    scale_ok=scale_ok,
     failure_prob=policy.failure_prob,
   )
   return out, cert, kept  # kept: [b, hk, g, G] groups kept
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "scale"))
-def _full_decode(query, index, *, policy, scale):
+def _full_decode(query, index, dyn_scale=None, *, policy, scale):
   """Every stored key scored: 'exact' and fixed-count policies."""
+  scale, scale_ok = _scale_of(scale, dyn_scale)
   b, _, h, d = query.shape
   dt = _dtype(query, index)
   q, qf = _split_heads(query, index, dt)  # [b, hk, g, d]
   bb, hk, g_num, c_sz, _ = index.keys.shape
   k = index.keys.reshape(bb, hk, g_num * c_sz, d).astype(dt)
   v = index.values.reshape(bb, hk, g_num * c_sz, -1)
-  s = jnp.einsum("bkgd,bknd->bkgn", q, k) * scale  # [b, hk, g, n]
+  s = jnp.einsum("bkgd,bknd->bkgn", q, k, precision=core.PRECISION)
+  s = s * scale  # [b, hk, g, n]
   valid = (jnp.arange(c_sz) < index.count[..., None]).reshape(bb, hk, -1)
   valid = jnp.broadcast_to(valid[:, :, None], s.shape)
   delta, _ = row_errors(q, qf, index, scale)
@@ -557,11 +582,13 @@ def _full_decode(query, index, *, policy, scale):
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.where(keep, jnp.exp(jnp.where(keep, s, m) - m), 0.0)
   den = jnp.sum(p, -1, keepdims=True)
-  out = jnp.einsum("bkgn,bknv->bkgv", p, v.astype(dt))
-  out = out / jnp.where(den > 0, den, 1.0)
+  # Normalised weights first (each <= 1): a sum of weighted values near
+  # the largest float overflows where their mean does not.
+  p = p / jnp.where(den > 0, den, 1.0)
+  out = jnp.einsum("bkgn,bknv->bkgv", p, v.astype(dt), precision=core.PRECISION)
   cert = sel.certificate
   head = core.max_norm(norms, keep)
-  ok = cert.valid & jnp.all(jnp.isfinite(out), -1)
+  ok = cert.valid & jnp.all(jnp.isfinite(out), -1) & scale_ok
   cert = core.finish_certificate(
     cert.log_tv_bound,
     ok,
@@ -571,15 +598,13 @@ def _full_decode(query, index, *, policy, scale):
     tail_norm=core.max_norm(norms, valid & ~keep),
     logit_error=delta,
   )
-  err = cert.output_error_bound + kept_rounding_error(delta, head)
-  cert = dataclasses.replace(cert, output_error_bound=err)
   out = jnp.where(ok[..., None], out, 0.0).reshape(b, 1, h, -1)
   cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
   return out.astype(query.dtype), cert
 
 
 def _check_query(query, index, name="query"):
-  query = jnp.asarray(query)
+  query = checks.check_array(query, name)
   b, hk, _, _, d = index.keys.shape
   if query.ndim != 4 or query.shape[:2] != (b, 1) or query.shape[3] != d:
     raise ValueError(
@@ -593,19 +618,12 @@ def _check_query(query, index, name="query"):
   return query
 
 
-def _check_scale(scale, d):
-  scale = 1.0 / d**0.5 if scale is None else float(scale)
-  if not (scale > 0 and scale < float("inf")):
-    raise ValueError(f"{scale=} must be finite and > 0")
-  return scale
-
-
 def index_decode_attention(
   query,
   index: IndexedKVCache,
   *,
   policy: selection.Policy,
-  scale: float | None = None,
+  scale=None,
   implementation: str | None = None,
   key=None,
 ) -> tuple[jax.Array, selection.Certificate]:
@@ -614,19 +632,22 @@ def index_decode_attention(
   ``Certified(eps, 'delta' | 'mc')`` search the groups (``block_size`` must
   equal the index's ``group_size``; ``max_topk`` and ``bound='lowrank'``
   are refused); ``Certified(eps, 'exact')``, ``Dense`` and the fixed-count
-  policies score every key. Only the XLA implementation exists.
+  policies score every key. Only the XLA implementation exists. ``scale``
+  as ``decode_attention`` (``checks.check_scale``: a traced scale is fine,
+  rows are invalid where it is not finite and >= ``core.MIN_SCALE``).
 
   Returns:
     ``(output [b, 1, h, dv], Certificate [b, 1, h])``.
 
   Raises:
     ValueError: on bad shapes, scale, implementation or a refused field.
-    TypeError: if ``policy`` is not a selection policy.
+    TypeError: if ``policy`` is not a selection policy, a query that is not
+      real floating, a scale that is not a real number.
   """
   if not isinstance(policy, selection.Policy):
     raise TypeError(f"{policy=} must be a jaxtopk selection policy")
   query = _check_query(query, index)
-  scale = _check_scale(scale, index.head_dim)
+  static, dynamic = _split_scale(checks.check_scale(scale, index.head_dim))
   if implementation not in (None, "xla"):
     raise ValueError(
       f"{implementation=} is not available for an IndexedKVCache; use None"
@@ -648,7 +669,7 @@ def index_decode_attention(
         "max_topk",
       ),
     )
-    return _full_decode(query, index, policy=policy, scale=scale)
+    return _full_decode(query, index, dynamic, policy=policy, scale=static)
   policy.require(
     _BACKEND,
     selection.capabilities(
@@ -668,8 +689,9 @@ def index_decode_attention(
     index,
     rng,
     jnp.float32(policy.eps),
+    dynamic,
     policy=selection.Certified(0.5, policy.search),  # eps is traced
-    scale=scale,
+    scale=static,
   )
   return out, cert
 
@@ -716,13 +738,20 @@ def _selection_row(
   dt = q.dtype
   slot, uniq, sel = _selected(positions, slot_row, length, c_sz, g_num)
   gi, ci = base + slot // c_sz, slot % c_sz
-  s = jnp.einsum("md,d->m", keys[gi, ci].astype(dt), q) * scale  # [m]
-  fin = jnp.all(jnp.where(uniq, jnp.isfinite(s), True))
+  kg = keys[gi, ci].astype(dt)  # [m, d]
+  s = jnp.einsum("md,d->m", kg, q, precision=core.PRECISION)
+  s = s * scale  # [m]
+  fin = core.logits_ok(s, uniq)  # NaN / +inf invalid, -inf zero mass
   m0 = jnp.max(jnp.where(uniq, s, -jnp.inf), initial=-jnp.inf)
   m_ref = jnp.where(jnp.isfinite(m0), m0, 0.0)
   p = jnp.where(uniq, jnp.exp(jnp.where(uniq, s, m_ref) - m_ref), 0.0)
+  z0 = jnp.sum(p)
   vals = values[gi, ci]  # [m, dv]
-  init = (m0, jnp.sum(p), p @ vals.astype(dt))
+  # The normalised mean of the selected values (weights <= 1, as
+  # ``core.online_step``): their weighted sum may overflow where it does not.
+  w = p / jnp.where(z0 > 0, z0, 1.0)
+  o0 = jnp.einsum("m,mv->v", w, vals.astype(dt), precision=core.PRECISION)
+  init = (m0, z0, o0)
   rem = count - jnp.sum(sel, -1, dtype=jnp.int32)  # keys left per group
   log_mass = jnp.where(
     rem > 0, u + jnp.log(jnp.maximum(rem, 1).astype(dt)), -jnp.inf
@@ -747,13 +776,14 @@ def _selection_row(
     n_terms=n_terms,
   )
   n_sel = jnp.sum(uniq, dtype=jnp.int32)
+  n_pos = jnp.sum(uniq & (s > -jnp.inf), dtype=jnp.int32)  # of mass
   head = core.max_norm(core.value_norms(vals), uniq)
   return (
     out,
     log_tv,
     kept,
     rem,
-    n_sel + n_kp,
+    n_pos + n_kp,
     n_sel + n_sc,
     has_head,
     fin & fin2,
@@ -762,7 +792,10 @@ def _selection_row(
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "max_groups", "rounds"))
-def _selection(query, index, positions, eps, *, scale, max_groups, rounds):
+def _selection(
+  query, index, positions, eps, dyn_scale=None, *, scale, max_groups, rounds
+):
+  scale, scale_ok = _scale_of(scale, dyn_scale)
   b, _, h, d = query.shape
   dt = _dtype(query, index)
   q, qf = _split_heads(query, index, dt)  # [b, hk, g, d]
@@ -824,14 +857,23 @@ def _selection(query, index, positions, eps, *, scale, max_groups, rounds):
     delta,
     (b, h),
     query.dtype,
+    scale_ok=scale_ok,
   )
   return out, cert, kept, pos
 
 
-def _check_positions(positions, query):
-  positions = jnp.asarray(positions)
-  if not jnp.issubdtype(positions.dtype, jnp.integer):
-    raise ValueError(
+def _check_positions(positions, query, index):
+  """``[b, 1, h, m]`` int32 positions, out-of-range ones as -1 (ignored).
+
+  The dtype (integer, not bool) and the range are checked in the input's
+  own dtype BEFORE the cast to int32: an int64 position 2**32 + 1 would
+  otherwise wrap to 1 and be certified as kept.
+  """
+  if not isinstance(positions, jax.Array):
+    positions = np.asarray(positions)  # lists, numpy: int64 kept as is
+  dtype = positions.dtype
+  if dtype == jnp.bool_ or not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(
       f"positions must be integer sequence positions; got {positions.dtype=}"
     )
   b, _, h, _ = query.shape
@@ -844,13 +886,35 @@ def _check_positions(positions, query):
     raise ValueError(
       f"positions' head axis must be 1 or num_heads={h}; got {positions.shape=}"
     )
-  return jnp.broadcast_to(positions, (b, 1, h, positions.shape[3])).astype(
-    jnp.int32
-  )
+  n = index.max_len
+  if isinstance(positions, np.ndarray):
+    ok = (positions >= 0) & (positions < n)
+    positions = jnp.asarray(np.where(ok, positions, -1).astype(np.int32))
+  else:
+    ok = (positions >= 0) & (positions < n)
+    positions = jnp.where(ok, positions, 0).astype(jnp.int32)
+    positions = jnp.where(ok, positions, -1)
+  return jnp.broadcast_to(positions, (b, 1, h, positions.shape[3]))
+
+
+def _check_eps(eps) -> float:
+  """``eps`` in (0, 1) as a Python float: Python, numpy or concrete JAX
+  real scalars (as the policies accept), else an error naming it."""
+  if isinstance(eps, jax.core.Tracer):
+    raise TypeError(f"eps must be a concrete number; got a traced {eps!r}")
+  if isinstance(eps, np.ndarray | np.generic | jax.Array):
+    if np.ndim(eps) != 0:
+      raise TypeError(f"eps must be a scalar; got shape {np.shape(eps)}")
+    eps = eps.item()
+  if isinstance(eps, bool) or not isinstance(eps, int | float):
+    raise TypeError(f"eps={eps!r} must be a real number in (0, 1)")
+  if not 0 < eps < 1:
+    raise ValueError(f"eps={eps!r} must be in (0, 1)")
+  return float(eps)
 
 
 def certify_selection(
-  query, index: IndexedKVCache, positions, *, scale: float | None = None
+  query, index: IndexedKVCache, positions, *, scale=None
 ) -> selection.Certificate:
   """A sound Certificate for a set of keys chosen by any other method.
 
@@ -863,16 +927,22 @@ def certify_selection(
   mass and the groups left out are far from the query.
 
   Defined results: positions < 0 or >= the row's length are ignored (padding
-  of ragged sets); duplicates count once; a set with no real key (empty,
-  all padding) keeps nothing, so the row is invalid by ``core.row_valid``
-  (valid = False, float fields NaN, k_kept 0: there is no kept distribution
-  to certify), as is a row of an empty cache.
+  of ragged sets; checked in the positions' own integer dtype, so an int64
+  2**32 + 1 is ignored, not wrapped); duplicates count once; a set with no
+  real key (empty, all padding) keeps nothing, so the row is invalid by
+  ``core.row_valid`` (valid = False, float fields NaN, k_kept 0: there is no
+  kept distribution to certify), as is a row of an empty cache. A key
+  outside the set whose group bound is NaN or +inf (a NaN or inf key) makes
+  the row invalid: its logit could be NaN or +inf.
 
   Args:
     query: ``[batch, 1, num_heads, head_dim]`` one decode query per head.
     index: an IndexedKVCache.
-    positions: int ``[batch, 1, num_heads or 1, m]`` kept positions.
-    scale: logit scale, default 1/sqrt(head_dim).
+    positions: int ``[batch, 1, num_heads or 1, m]`` kept positions (any
+      integer dtype).
+    scale: logit scale, default 1/sqrt(head_dim); a number >= float32's
+      smallest normal, or a JAX scalar (traced OK: rows are invalid where it
+      is not finite and >= ``core.MIN_SCALE``).
 
   Returns:
     A Certificate ``[batch, 1, num_heads]``: ``k_kept`` distinct real keys
@@ -880,13 +950,23 @@ def certify_selection(
     group + 2), ``output_error_bound`` for attention over the set.
 
   Raises:
-    ValueError: on bad shapes, dtypes or scale.
+    TypeError: a query that is not real floating, positions that are not
+      integers, a scale that is not a real number.
+    ValueError: on bad shapes or a scale out of range.
   """
   query = _check_query(query, index)
-  scale = _check_scale(scale, index.head_dim)
-  positions = _check_positions(positions, query)
+  static, dynamic = _split_scale(checks.check_scale(scale, index.head_dim))
+  positions = _check_positions(positions, query, index)
+  # rounds as grow_selection's (no round runs): one compilation for both.
   _, cert, _, _ = _selection(
-    query, index, positions, 0.5, scale=scale, max_groups=0, rounds=1
+    query,
+    index,
+    positions,
+    0.5,
+    dynamic,
+    scale=static,
+    max_groups=0,
+    rounds=index.groups_per_round,
   )
   return cert
 
@@ -898,7 +978,7 @@ def grow_selection(
   *,
   eps: float,
   max_groups: int | None = None,
-  scale: float | None = None,
+  scale=None,
 ) -> tuple[jax.Array, selection.Selection]:
   """Grows a candidate set by whole groups until tau <= eps is certified.
 
@@ -914,9 +994,9 @@ def grow_selection(
     index: an IndexedKVCache.
     positions: int ``[batch, 1, num_heads or 1, m]`` starting set (see
       ``certify_selection`` for padding, duplicates and empty sets).
-    eps: TV budget in (0, 1).
-    max_groups: most groups added per row (static), default all.
-    scale: logit scale, default 1/sqrt(head_dim).
+    eps: TV budget in (0, 1): a Python, numpy or concrete JAX real scalar.
+    max_groups: most groups added per row (static int), default all.
+    scale: logit scale, as ``certify_selection``.
 
   Returns:
     ``(output, selection)``: attention over the grown set ``[batch, 1,
@@ -924,18 +1004,18 @@ def grow_selection(
     num_heads, max_len]`` (True at kept positions) and its Certificate.
 
   Raises:
+    TypeError: as ``certify_selection``; an eps that is not a real number.
     ValueError: on bad shapes, eps, max_groups or scale.
   """
   query = _check_query(query, index)
-  scale = _check_scale(scale, index.head_dim)
-  positions = _check_positions(positions, query)
-  if not (isinstance(eps, int | float) and 0 < eps < 1):
-    raise ValueError(f"{eps=} must be in (0, 1)")
+  static, dynamic = _split_scale(checks.check_scale(scale, index.head_dim))
+  positions = _check_positions(positions, query, index)
+  eps = _check_eps(eps)
   g_num = index.num_groups
   max_groups = g_num if max_groups is None else max_groups
   if (
-    isinstance(max_groups, bool)
-    or not isinstance(max_groups, int)
+    isinstance(max_groups, bool | np.bool_)
+    or not isinstance(max_groups, int | np.integer)
     or (max_groups < 0)
   ):
     raise ValueError(f"{max_groups=} must be an int >= 0")
@@ -944,8 +1024,9 @@ def grow_selection(
     index,
     positions,
     jnp.float32(eps),
-    scale=scale,
-    max_groups=min(max_groups, g_num),
+    dynamic,
+    scale=static,
+    max_groups=min(int(max_groups), g_num),
     rounds=index.groups_per_round,
   )
   keep = _kept_positions(index, kept, pos)

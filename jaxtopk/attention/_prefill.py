@@ -74,7 +74,7 @@ from jaxtopk import selection
 from jaxtopk import theory
 from jaxtopk.selection import core
 
-HIGHEST = lax.Precision.HIGHEST
+HIGHEST = core.PRECISION  # full float32 products (the bounds assume it)
 
 # What this path honours (``Policy.require``): every policy, the exact and
 # Delta-Search strategies with box block bounds, and max_topk. MC-Search and
@@ -675,7 +675,8 @@ def blockwise_attention(
     bias: None or float, same broadcasting; -inf = a key of zero mass.
     is_causal: top-left aligned causal mask (Python bool).
     scale: logit scale, a Python float or a 0-d array (traced is fine).
-    scale_ok: bool (or 0-d array): whether a traced scale is finite and > 0.
+    scale_ok: bool (or 0-d array): whether a traced scale is finite and >=
+      ``core.MIN_SCALE``.
     values_bound: whether the certificate carries output_error_bound.
     block_sizes: ``BlockSizes`` (default ``BlockSizes.get_default()``).
     return_keep: also return the kept set ``[batch, num_heads, q_len,

@@ -276,9 +276,10 @@ def topk_attention(
     bias: optional float additive bias, same broadcasting (-inf allowed: a
       key of zero mass).
     is_causal: top-left aligned causal mask (as jax.nn); a Python bool.
-    scale: logit scale, default 1/sqrt(head_dim); a finite number > 0, or a
-      0-d JAX array (e.g. a learned temperature, traced under jit: rows are
-      then invalid where it is not finite and > 0).
+    scale: logit scale, default 1/sqrt(head_dim); a finite number >= float32's
+      smallest normal (``core.MIN_SCALE``), or a 0-d JAX array (e.g. a
+      learned temperature, traced under jit: rows are then invalid where it
+      is not finite and >= ``core.MIN_SCALE``).
     implementation: None or 'xla' (this path), or a registered backend such
       as 'pallas'.
     values_bound: whether the certificate carries output_error_bound.
@@ -295,8 +296,8 @@ def topk_attention(
     TypeError: a policy that is not a policy, non-floating or complex
       inputs, a mask that is not boolean, a non-bool ``is_causal``, a scale
       that is not a real number.
-    ValueError: bad shapes, mismatched heads, a scale not finite and > 0,
-      an unknown implementation.
+    ValueError: bad shapes, mismatched heads, a scale not finite or below
+      float32's smallest normal, an unknown implementation.
     UnsupportedPolicyError: a policy field the backend cannot honour.
     NotImplementedError: 'pallas' when it is not registered.
 

@@ -16,8 +16,9 @@ Defined results (not errors), the same on every path:
 - A traced ``scale`` (e.g. a learned temperature under jit) is accepted:
   ``check_scale`` returns it as a 0-d array, and paths pass it to their jitted
   math as a DYNAMIC argument (never static). Its value cannot be checked at
-  trace time: rows computed with a scale that is not finite and > 0 are
-  invalid (``scale_ok`` feeds ``core.row_valid``).
+  trace time: rows computed with a scale that is not finite and at least
+  ``core.MIN_SCALE`` (float32's smallest normal) are invalid (``scale_ok``
+  feeds ``core.row_valid``). A static scale below it is refused.
 - Row validity (NaN / inf logits or values, -inf bias, all-masked rows) is
   the rule of ``jaxtopk.selection.core`` (``core.row_valid``): a -inf logit
   (``bias=-inf``) is a key of zero mass, as in
@@ -31,6 +32,9 @@ Names:
 - ``check_array(x, name)``: a real floating array, or TypeError.
 - ``check_mask(mask, shape)``, ``check_bias(bias, shape)``.
 - ``check_is_causal(is_causal)``: a Python bool.
+- ``check_counts(x, name, batch, high)``: per-row counts (``num_steps`` of
+  the cache appends, ``lengths`` of the index build): integers, ``[batch]``
+  or a scalar, in [0, high] (checked when concrete; clipped when traced).
 - ``check_scale(scale, head_dim)``: default, static float or dynamic array.
 - ``scale_ok(scale)``: bool, for the validity rule of a dynamic scale.
 - ``check_policy(policy, backend, supports)``: a Policy the backend honours.
@@ -219,18 +223,58 @@ def check_is_causal(is_causal) -> bool:
   raise TypeError(f"is_causal={is_causal!r} must be a bool (True or False)")
 
 
+def check_counts(x, name: str, batch: int, high: int) -> jax.Array:
+  """Per-row counts as ``[batch]`` int32: ``num_steps``, ``lengths``.
+
+  Accepts a Python int, a numpy or JAX integer scalar (the same count for
+  every row) or a ``[batch]`` integer array. The range [0, high] is checked
+  on concrete values, in their own dtype (an int64 2**32 + 1 would wrap in
+  int32); a traced array (under jit) cannot be checked and is clipped to
+  it.
+
+  Raises:
+    TypeError: a bool, float or other non-integer count (named).
+    ValueError: a shape other than ``[batch]`` or ``[]``, or a concrete
+      count outside [0, high].
+  """
+  if isinstance(x, bool | np.bool_) or x is None:
+    raise TypeError(f"{name}={x!r} must be integers (a count per row)")
+  if not isinstance(x, jax.Array):
+    x = np.asarray(x)
+  if x.dtype == np.bool_ or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(
+      f"{name} must be integers (a count per row); got {name}.dtype={x.dtype}"
+    )
+  if x.shape not in ((), (batch,)):
+    raise ValueError(
+      f"{name} must be [batch={batch}] (or a scalar); got {name}.shape="
+      f"{x.shape}"
+    )
+  if not isinstance(x, jax.core.Tracer):
+    v = np.asarray(x)
+    if np.any(v < 0) or np.any(v > high):
+      raise ValueError(f"{name}={v.tolist()} must be in [0, {high}]")
+    return jnp.broadcast_to(jnp.asarray(v.astype(np.int32)), (batch,))
+  x = jnp.clip(x, 0, high).astype(jnp.int32)
+  return jnp.broadcast_to(x, (batch,))
+
+
 def check_scale(scale, head_dim: int):
   """The logit scale: 1/sqrt(head_dim) by default.
 
-  A Python or numpy real number must be finite and > 0 and is returned as a
+  A Python or numpy real number must be finite and at least
+  ``core.MIN_SCALE`` (float32's smallest normal, 1.18e-38: a subnormal scale
+  reads 0 on a CPU and no certificate covers it) and is returned as a
   Python float. A JAX array (concrete or traced, e.g. a learned
   temperature) must be a real floating scalar; it is returned as a 0-d
   array and must reach the path's jitted math as a DYNAMIC argument; its
-  value is checked per row at run time (``scale_ok``).
+  value is checked per row at run time (``scale_ok``: rows are invalid
+  where it is not finite and >= ``core.MIN_SCALE``).
 
   Raises:
     TypeError: a bool, complex, non-number or non-scalar array.
-    ValueError: a Python / numpy scale that is not finite or <= 0.
+    ValueError: a Python / numpy scale that is not finite, or below
+      ``core.MIN_SCALE`` (0 and negative scales included).
   """
   if scale is None:
     return 1.0 / math.sqrt(head_dim)
@@ -250,14 +294,19 @@ def check_scale(scale, head_dim: int):
   value = float(scale)
   if not (math.isfinite(value) and value > 0):
     raise ValueError(f"scale={value!r} must be finite and > 0")
+  if value < core.MIN_SCALE:
+    raise ValueError(
+      f"scale={value!r} is below float32's smallest normal"
+      f" {core.MIN_SCALE!r}: a CPU reads it as 0 and no certificate covers"
+      " it"
+    )
   return value
 
 
 def scale_ok(scale) -> jax.Array | bool:
-  """True where ``scale`` is finite and > 0 (always True for a float)."""
-  if isinstance(scale, float):
-    return True
-  return jnp.isfinite(scale) & (scale > 0)
+  """``core.scale_ok``: True for a (checked) float; for an array, whether it
+  is finite and >= ``core.MIN_SCALE``."""
+  return core.scale_ok(scale)
 
 
 def check_policy(policy, backend: str, supports: Iterable[str]) -> None:

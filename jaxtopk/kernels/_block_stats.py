@@ -244,7 +244,7 @@ def block_stats_reference(
     "bhqd,bhkd->bhqk",
     query.astype(jnp.float32),
     kk.astype(jnp.float32),
-    precision=lax.Precision.HIGHEST,
+    precision=_common.PRECISION,
   )  # [b, h, q, s]
   s = s * scale
   vis = jnp.broadcast_to(visible_mask(b, nq, nk, mask, is_causal), s.shape)

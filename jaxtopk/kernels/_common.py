@@ -32,7 +32,7 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Every in-kernel dot at full float32 precision: the certificate's logit
 # rounding bound assumes it (a TPU's default bf16 passes or a GPU's TF32
 # would break it).
-PRECISION = lax.Precision.HIGHEST
+PRECISION = core.PRECISION
 
 
 def resolve_backend(backend: str | None) -> str:

@@ -435,7 +435,7 @@ def certified_decode_reference(
       "bhd,bhkd->bhk",
       query.astype(jnp.float32),
       kk,
-      precision=lax.Precision.HIGHEST,
+      precision=_common.PRECISION,
     )
     * scale
   )  # [b, h, n]
@@ -461,5 +461,5 @@ def certified_decode_reference(
   p = jnp.where(
     keep, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0.0
   )
-  o = jnp.einsum("bhk,bhkd->bhd", p, vv, precision=lax.Precision.HIGHEST)
+  o = jnp.einsum("bhk,bhkd->bhd", p, vv, precision=_common.PRECISION)
   return o.astype(query.dtype), lse, scored

@@ -332,7 +332,7 @@ def sparse_flash_attention_reference(
     "bhqd,bhkd->bhqk",
     query.astype(jnp.float32),
     kk,
-    precision=lax.Precision.HIGHEST,
+    precision=_common.PRECISION,
   )  # [b, h, q, s]
   s = s * scale
   vis = _block_stats.visible_mask(b, nq, nk, mask, is_causal)
@@ -350,7 +350,7 @@ def sparse_flash_attention_reference(
   lse = jax.nn.logsumexp(s, axis=-1, where=keep)  # [b, h, q]
   has = jnp.isfinite(lse)
   p = jnp.where(keep, jnp.exp(s - jnp.where(has, lse, 0.0)[..., None]), 0.0)
-  o = jnp.einsum("bhqk,bhkd->bhqd", p, vv, precision=lax.Precision.HIGHEST)
+  o = jnp.einsum("bhqk,bhkd->bhqd", p, vv, precision=_common.PRECISION)
   return o.astype(query.dtype), lse
 
 
@@ -397,7 +397,7 @@ def sparse_flash_stats_reference(
       "bhqd,bhkd->bhqk",
       query.astype(jnp.float32),
       kk,
-      precision=lax.Precision.HIGHEST,
+      precision=_common.PRECISION,
     )
     * scale
   )  # [b, h, q, s]
@@ -477,12 +477,12 @@ def gathered_attention(
   if is_causal:
     qpos = jnp.arange(nqt * block_q).reshape(nqt, block_q)
     ok = ok & (pos.reshape(b, h, nqt, 1, width) <= qpos[:, :, None])
-  s = jnp.einsum("bhtid,bhtjd->bhtij", qt, kg, precision=lax.Precision.HIGHEST)
+  s = jnp.einsum("bhtid,bhtjd->bhtij", qt, kg, precision=_common.PRECISION)
   # -inf (not a where after exp) keeps the gradient of dropped keys at 0.
   s = jnp.where(ok, s * scale, -jnp.inf)
   lse = jax.nn.logsumexp(s, axis=-1, where=ok)  # [b, h, nqt, bq]
   p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
-  o = jnp.einsum("bhtij,bhtjd->bhtid", p, vg, precision=lax.Precision.HIGHEST)
+  o = jnp.einsum("bhtij,bhtjd->bhtid", p, vg, precision=_common.PRECISION)
   o = o.reshape(b, h, nqt * block_q, dv)[:, :, :nq]
   lse = lse.reshape(b, h, nqt * block_q)[:, :, :nq]
   return o.astype(query.dtype), lse

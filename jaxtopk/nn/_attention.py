@@ -22,6 +22,13 @@ as nnx.MultiHeadAttention does, but the cache is a ``jaxtopk.KVCache``
 values, and Delta-/MC-Search that skips cache blocks (THEORY 6.2/6.3). A step
 given an extra ``mask`` runs ``jaxtopk.topk_attention`` over the cache
 instead (``decode_attention`` takes no mask).
+
+Capacity: a step past ``init_cache``'s ``max_length`` writes nothing (the
+cache is never grown or wrapped silently). Called eagerly it raises a
+ValueError naming ``max_length``; under ``jax.jit`` / ``nnx.jit`` the step
+count is a traced cache length, not a static number, so the step cannot
+raise: its key and value are not written and its rows are invalid
+(``core.mark_invalid``: valid False, float fields NaN, zero output).
 """
 
 import math
@@ -29,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx import rnglib
 from flax.nnx.module import first_from
@@ -45,6 +53,7 @@ from jaxtopk.nn._attention_fn import topk_attention_fn
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Certified
 from jaxtopk.selection import Policy
+from jaxtopk.selection import core
 
 CERTIFICATE_NAME = "certificate"
 CERTIFICATES_COLLECTION = "certificates"
@@ -192,7 +201,9 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
 
     Raises:
       ValueError: decode without ``init_cache``, wrong input features or
-        cache shape, ``sow_weights=True``.
+        cache shape, ``sow_weights=True``, an eager decode step past
+        ``init_cache``'s ``max_length`` (under jit that step's rows are
+        invalid instead: module docstring).
       NotImplementedError: dropout would be applied.
     """
     del rngs
@@ -271,9 +282,13 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
       dtype: storage dtype of cached keys and values.
       block_size: positions per key-summary block; default the policy's
         ``block_size`` for Certified, else 64 (at most ``max_length``). The
-        capacity is rounded up to a multiple of it.
+        storage is rounded up to a multiple of it, but at most
+        ``max_length`` steps are decoded (module docstring: Capacity).
     """
     *batch, max_length, _ = input_shape
+    if isinstance(max_length, bool) or not isinstance(max_length, int):
+      raise ValueError(f"{max_length=} must be a positive int")
+    self.cache_max_length = max_length
     if block_size is None:
       if isinstance(self.policy, Certified):
         block_size = self.policy.block_size
@@ -324,6 +339,15 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
         "init_cache(input_shape) first"
       )
     cache = self.kv_cache.get_value()
+    cap = getattr(self, "cache_max_length", None) or cache.max_len
+    full = cache.length >= cap  # [sequences]: no room for this step
+    if not isinstance(full, jax.core.Tracer) and bool(np.any(full)):
+      step = int(np.max(np.asarray(cache.length))) + 1
+      raise ValueError(
+        f"decode step {step} is past init_cache's max_length={cap}: the"
+        " cache is full (nothing was written); call init_cache with a"
+        " larger max_length"
+      )
     batch = query.shape[:-3]
     flat = math.prod(batch)
     expected = (*batch, 1, self.num_kv_heads, self.head_dim)
@@ -338,7 +362,10 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     )  # [b, 1, heads, head_dim]
     if self.dtype is not None:
       query = query.astype(self.dtype)
-    cache = kv_cache_update(cache, key, value)
+    # Under jit a full sequence writes nothing and its rows are invalid.
+    cache = kv_cache_update(
+      cache, key, value, num_steps=jnp.where(full, 0, 1).astype(jnp.int32)
+    )
     self.kv_cache.set_value(cache)
     if mask is None:
       rng = None if self.search_rngs is None else self.search_rngs.search()
@@ -365,6 +392,8 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
         mask=jnp.logical_and(mask, filled),
         implementation=self.implementation,
       )
+    cert = core.mark_invalid(cert, full[:, None, None])
+    x = jnp.where(full[:, None, None, None], jnp.zeros((), x.dtype), x)
     x = jnp.reshape(x, (*batch, *x.shape[1:]))
     cert = jax.tree.map(lambda a: jnp.reshape(a, (*batch, *a.shape[1:])), cert)
     return x, cert

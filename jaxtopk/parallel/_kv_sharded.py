@@ -50,7 +50,7 @@ from jaxtopk.selection import Policy
 from jaxtopk.selection import capabilities
 from jaxtopk.selection import core
 
-_HIGHEST = lax.Precision.HIGHEST
+_HIGHEST = core.PRECISION  # full float32 products (the bounds assume it)
 
 # What the KV-sharded paths honour (every other policy field is refused).
 SUPPORTS = capabilities(
@@ -160,7 +160,8 @@ def kv_shard_attention(
       a global eps, the exact search and optionally ``max_topk``; anything
       else raises ``UnsupportedPolicyError`` naming the field.
     scale: positive logit scale (Python float, or a traced 0-d array; rows
-      with a scale that is not finite and > 0 are invalid).
+      with a scale that is not finite and >= ``core.MIN_SCALE`` are
+      invalid).
     axis_name: the mapped axis the keys are split over, or None.
     n_total: static number of keys over all shards (``devices * n_local``).
     bias: optional additive bias broadcastable to ``[batch, heads, q_len,
@@ -478,8 +479,9 @@ def sharded_topk_attention(
       zero mass).
     is_causal: key j is visible to query i iff j <= i (as jax.nn).
     scale: logit scale, default ``1 / sqrt(head_dim)``; a Python number
-      (finite, > 0) or a 0-d array (e.g. traced; rows with a scale that is
-      not finite and > 0 are invalid).
+      (finite, >= float32's smallest normal ``core.MIN_SCALE``) or a 0-d
+      array (e.g. traced; rows with a scale that is not finite and >=
+      ``core.MIN_SCALE`` are invalid).
     batch_axis: mesh axis for the batch, or None.
     head_axis: mesh axis for the heads, or None.
     kv_axis: mesh axis for the key sequence, or None.
@@ -493,7 +495,7 @@ def sharded_topk_attention(
     TypeError: non-floating inputs, a non-boolean mask, a non-bool
       ``is_causal``, a bad scale type.
     ValueError: mismatched shapes, sizes not divisible by their mesh axis,
-      a scale that is not finite and > 0.
+      a scale that is not finite or below float32's smallest normal.
     UnsupportedPolicyError: a policy field this path does not honour.
 
   Example:

@@ -63,7 +63,8 @@ def _certified_search(
   if with_values:
     norms = core.value_norms(values).reshape(-1, n)
   if search.scores_all:
-    s = jnp.einsum("rd,rnd->rn", q, k) * scale  # [r, n]
+    s = jnp.einsum("rd,rnd->rn", q, k, precision=core.PRECISION)
+    s = s * scale  # [r, n]
     sel = _select.select_rows(
       s, policy, valid=v_ok, norms=norms, logit_error=delta
     )
@@ -188,8 +189,9 @@ def certified_search(
   Raises:
     TypeError: if ``policy`` is not ``Certified``, or an input is not real
       floating, a mask not boolean, a scale not a number.
-    ValueError: on mismatched shapes, a scale not finite and > 0, or 'mc'
-      without ``key``.
+    ValueError: on mismatched shapes, a scale not finite or below
+      ``core.MIN_SCALE`` (float32's smallest normal), or 'mc' without
+      ``key``.
   """
   if not isinstance(policy, _policies.Certified):
     raise TypeError(f"certified_search needs a Certified policy; got {policy=}")
@@ -207,7 +209,10 @@ def certified_search(
   if scale is None:
     scale = 1.0 / d**0.5
   else:
-    scale = _strategies.as_float("scale", scale, low=0)
+    # Below float32's smallest normal a CPU reads the scale as 0.
+    scale = _strategies.as_float(
+      "scale", scale, low=core.MIN_SCALE, low_open=False
+    )
   lead_n = keys.shape[:-1]
   valid = jnp.ones(lead_n, bool)
   if mask is not None:

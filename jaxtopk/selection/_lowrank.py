@@ -48,6 +48,8 @@ from jaxtopk.selection import _search
 from jaxtopk.selection import _strategies
 from jaxtopk.selection import core
 
+_P = core.PRECISION
+
 
 def _norm_up(x, axis=-1):
   """||x||_2 over ``axis``, rounded up (``core.norms_up``: no underflow)."""
@@ -78,8 +80,12 @@ def key_projection(keys, valid, *, rank) -> jax.Array:
   # Normalise first so that K^T K cannot overflow for huge keys.
   big = jnp.max(jnp.abs(k), axis=(-2, -1), keepdims=True)
   k = k / jnp.where(big > 0, big, 1.0)
-  gram = jnp.einsum("...nd,...ne->...de", k, k)  # [..., d, d]
-  _, vecs = jnp.linalg.eigh(gram)  # ascending eigenvalues
+  # RANK ONLY: any P keeps ``lowrank_upper_bound`` sound (its slack is
+  # computed from the P it is given), so P may come from a fast product
+  # (TF32 / bf16 passes); the scope name lets the precision test tell.
+  with jax.named_scope("rank_only"):
+    gram = jnp.einsum("...nd,...ne->...de", k, k)  # [..., d, d]
+    _, vecs = jnp.linalg.eigh(gram)  # ascending eigenvalues
   p = vecs[..., -rank:]  # [..., d, rank]
   return jnp.where(jnp.isfinite(p), p, 0.0)
 
@@ -89,7 +95,8 @@ def _gamma(proj):
   d, r = proj.shape[-2:]
   eps = _eps(proj)
   pf = _norm_up(proj.reshape(*proj.shape[:-2], d * r))  # >= ||P||_F
-  e_mat = jnp.einsum("...dj,...dk->...jk", proj, proj) - jnp.eye(r)
+  e_mat = jnp.einsum("...dj,...dk->...jk", proj, proj, precision=_P)
+  e_mat = e_mat - jnp.eye(r)
   # ||E||_2 <= ||E||_F; each entry of the computed P^T P is off by at most
   # (d + 2) eps ||P_j|| ||P_k||, so the Frobenius norm by (d + 2) eps pf^2.
   e = _norm_up(e_mat.reshape(*e_mat.shape[:-2], r * r))
@@ -126,14 +133,16 @@ def lowrank_upper_bound(query, keys, proj, *, scale) -> jax.Array:
   dt = core.compute_dtype(jnp.result_type(query, keys, proj))
   query, keys, proj = query.astype(dt), keys.astype(dt), proj.astype(dt)
   eps = _eps(keys)
-  a_q = jnp.einsum("...d,...dr->...r", query, proj)  # [..., r]
-  a_k = jnp.einsum("...nd,...dr->...nr", keys, proj)  # [..., n, r]
-  rq = query - jnp.einsum("...dr,...r->...d", proj, a_q)  # [..., d]
-  rk = keys - jnp.einsum("...dr,...nr->...nd", proj, a_k)  # [..., n, d]
+  # Every product at full precision: the slack gamma assumes (d + 2) eps
+  # dot-product roundings, which TF32 / bf16 passes exceed.
+  a_q = jnp.einsum("...d,...dr->...r", query, proj, precision=_P)  # [..., r]
+  a_k = jnp.einsum("...nd,...dr->...nr", keys, proj, precision=_P)
+  rq = query - jnp.einsum("...dr,...r->...d", proj, a_q, precision=_P)
+  rk = keys - jnp.einsum("...dr,...nr->...nd", proj, a_k, precision=_P)
   rho_q, rho_k = _norm_up(rq), _norm_up(rk)  # [...], [..., n]
   nq, nk = _norm_up(query), _norm_up(keys)  # [...], [..., n]
   g = _gamma(proj)  # [...]
-  dot = jnp.einsum("...r,...nr->...n", a_q, a_k)  # [..., n]
+  dot = jnp.einsum("...r,...nr->...n", a_q, a_k, precision=_P)  # [..., n]
   x = dot + rho_q[..., None] * rho_k + (g * nq)[..., None] * nk
   # CPUs flush subnormal inputs and results to 0: each flushed term moves
   # the result by less than tiny times the norms it multiplies, which the

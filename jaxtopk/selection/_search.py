@@ -79,7 +79,7 @@ def scored_search_row(q, kb, vb, log_mass, *, scale, log_eps, margin):
   def body(state):
     j, lse_s, buf = state
     blk = order[j]
-    s = (kb[blk] @ q) * scale  # [bs]
+    s = jnp.matmul(kb[blk], q, precision=core.PRECISION) * scale  # [bs]
     lse_b = logsumexp(s, where=vb[blk] & (s > -jnp.inf))
     return j + 1, jnp.logaddexp(lse_s, lse_b), buf.at[blk].set(s)
 
@@ -165,7 +165,9 @@ def box_upper_bound_dot(query, box, *, scale) -> jax.Array:
   dt = box.kmin.dtype
   q = query.astype(dt)
   qp, qm = jnp.maximum(q, 0.0), jnp.maximum(-q, 0.0)
-  ein = lambda x, y: jnp.einsum("...gd,...nd->...gn", x, y)
+  ein = lambda x, y: jnp.einsum(  # noqa: E731
+    "...gd,...nd->...gn", x, y, precision=core.PRECISION
+  )
   u = ein(qp, box.kmax) - ein(qm, box.kmin)  # [..., nb]
   abs_terms = ein(qp, jnp.abs(box.kmax)) + ein(qm, jnp.abs(box.kmin))
   d = q.shape[-1]
@@ -185,7 +187,7 @@ def _mc_log_mass_row(q, kb, vb, u, cnt, rng, *, scale, num_samples, delta):
   csum = jnp.cumsum(vb, axis=-1)  # [nb, bs]
   pos = jnp.sum(csum[:, None, :] <= r[..., None], axis=-1)  # [nb, m]
   ks = jnp.take_along_axis(kb, pos[..., None], axis=1)  # [nb, m, d]
-  s = (ks @ q) * scale  # [nb, m]
+  s = jnp.matmul(ks, q, precision=core.PRECISION) * scale  # [nb, m]
   c = jnp.max(jnp.where(cnt > 0, u, -jnp.inf))
   c = jnp.where(jnp.isfinite(c), c, 0.0)
   eu = jnp.exp(u - c)  # e^{u_b - c}

@@ -16,8 +16,14 @@ Contract (every function):
   subnormal to near overflow. XLA on CPU reads subnormal inputs as 0 and
   flushes subnormal results to 0; every bound here accounts for both: a
   positive bound never reads 0 (it is raised to the smallest normal), a
-  product of bounds never overflows to a wrong finite value, and norms scale
+  product of bounds never overflows to a wrong finite value nor loses a
+  large value to a flushed intermediate (a product whose partial product
+  may be subnormal while the next factor is large, like the ball term scale
+  ||q|| r, is formed by ``mul_up``; elsewhere a flushed product is below
+  tiny times a scale, which the bounds' tiny terms cover), and norms scale
   by exact powers of two (never by a reciprocal that could be subnormal).
+  Every product of the inputs a certificate rests on runs at
+  ``PRECISION`` (full float32 passes), on CPU, GPU and TPU alike.
 - An honest bound that overflows is +inf. A +inf logit error makes the
   certificate TRIVIAL (tv_bound = 1, output_error_bound = +inf), which is
   sound; it is still ``valid``.
@@ -30,9 +36,9 @@ Row validity (``row_valid``), the rule every path uses:
 - A row is valid iff it keeps at least one real key of positive mass
   (finite logit), none of its real keys has a NaN or +inf logit, the values
   of its real keys are finite (when values enter), the computed output is
-  finite, and the logit scale is finite and > 0. On an invalid row the
-  certificate's float fields are NaN, ``k_kept`` is 0, and the output is
-  undefined (paths return zeros).
+  finite, and the logit scale is finite and >= ``MIN_SCALE``. On an invalid
+  row the certificate's float fields are NaN, ``k_kept`` is 0, and the
+  output is undefined (paths return zeros).
 
 Names (one line each):
 
@@ -47,7 +53,9 @@ Names (one line each):
 - ``norms_up(x, axis)``: ||x||_2 rounded up, no underflow, no spurious
   overflow.
 - ``value_norms(v)``: ``norms_up`` over the last axis with NaN marking a
-  non-finite value (that row is invalid).
+  non-finite value (that row is invalid); stored compressed above 2^126,
+  so never +inf for a finite value (``mul_norm_up(t, y)``: t times a
+  stored norm, rounded up).
 - ``max_norm(norms, where)``: the largest norm over a set (0 if empty).
 - ``abs_dot_box(q, k_absmax)``: sum_c |q_c| max_i |k_ic| rounded up (the
   box form of the dot-product magnitude).
@@ -69,7 +77,19 @@ Names (one line each):
   logit of the row is known.
 - ``search_log_margin(...)``: how far below log eps a search must aim so
   that the finished certificate is <= eps.
-- ``row_valid(...)``, ``logits_ok(...)``: the validity rule above.
+- ``row_valid(...)``, ``logits_ok(...)``: the validity rule above;
+  ``scale_ok(scale)``: its scale condition; ``mark_invalid(cert, bad)``: a
+  finished Certificate's rows made invalid by it.
+- ``PRECISION``: the matmul precision of every product a certificate is
+  computed from (full float32 passes on GPU and TPU).
+- ``MIN_SCALE``: the smallest logit scale covered (float32's smallest
+  normal).
+- ``mul_up(*factors)``: a product of nonnegative factors rounded up, no
+  intermediate flush or overflow (for products whose partial product may
+  flush while the next factor is large); ``dist_up(x, c)``: ||x - c||
+  rounded up (ball radii). Both, with ``flushed``, ``norms_up`` and
+  ``mul_norm_up``, are defined in ``jaxtopk.theory`` (its ``_floats``),
+  below both layers.
 """
 
 import dataclasses
@@ -85,6 +105,27 @@ compute_dtype = _theory.compute_dtype
 log_slack = _theory.log_slack
 exp_up = _theory.exp_up
 up_positive = _theory.up_positive
+flushed = _theory.flushed
+norms_up = _theory.norms_up
+mul_up = _theory.mul_up
+mul_norm_up = _theory.mul_norm_up
+dist_up = _theory.dist_up
+
+# THE matmul precision of every product a certificate is computed from (q.k
+# logits, q.c of group centres, box and ball bounds, MC samples): full
+# float32 passes. At DEFAULT a GPU multiplies in TF32 and a TPU in bfloat16
+# passes (a logit error of 0.023 measured on an H100 for q, k ~ 4 N(0, 1),
+# d = 128, 5.8x ``logit_error_of``), which ``logit_error_bound`` does not
+# cover. Products that only RANK (the k-means assignment of the index build)
+# may use any precision; each such use says so where it is.
+PRECISION = jax.lax.Precision.HIGHEST
+
+# The smallest logit scale the certificates cover: float32's smallest
+# normal. A CPU reads a subnormal scale (e.g. 1.1e-38) as 0, so every logit
+# reads 0 while the exact ones are not (scale q.k of order one for q, k ~
+# 1e19). A static scale below it is refused by name; a traced one makes its
+# rows invalid (``scale_ok``).
+MIN_SCALE = float(jnp.finfo(jnp.float32).tiny)
 
 # Rounding of one leaf sum term e^{s_i - m}, in units of eps: the subtraction
 # is off by eps/2 |s_i - m| and terms with s_i - m below log(tiny) are 0 (or
@@ -121,105 +162,20 @@ def _opaque(x):
   return jax.lax.optimization_barrier(x)
 
 
-def _uint(dtype):
-  return jnp.dtype(f"uint{jnp.finfo(dtype).bits}")
-
-
-def _pow2(e, dtype):
-  """2.0**e exactly, for integer ``e`` in the normal exponent range."""
-  fi = jnp.finfo(dtype)
-  ut = _uint(dtype)
-  bias = 1 - fi.minexp  # 127 for float32, 1023 for float64
-  biased = (jnp.asarray(e, jnp.int32) + bias).astype(ut)
-  return jax.lax.bitcast_convert_type(biased << fi.nmant, dtype)
-
-
-def flushed(x, axis=-1) -> jax.Array:
-  """Whether ``x`` holds nonzero subnormal components that a CPU reads as 0.
-
-  Checked on the bit pattern of ``x`` in its own dtype (bfloat16, float32
-  and float64 subnormals are read as 0 by XLA on CPU). float16 subnormals are
-  normal numbers in float32, the compute dtype, so they are never flushed.
-
-  Args:
-    x: ``[..., n, ...]`` float array.
-    axis: the axis reduced.
-
-  Returns:
-    ``[...]`` bool (``x``'s shape without ``axis``).
-  """
-  return jnp.any(_subnormal(x), axis=axis)
-
-
-def _subnormal(x) -> jax.Array:
-  """Elementwise: a nonzero subnormal of ``x``'s dtype, read as 0 on CPU."""
-  x = jnp.asarray(x)
-  fi = jnp.finfo(x.dtype)
-  if fi.minexp > jnp.finfo(compute_dtype(x.dtype)).minexp:
-    return jnp.zeros(x.shape, bool)  # float16: normal in the compute dtype
-  ut = _uint(x.dtype)
-  mag = jax.lax.bitcast_convert_type(x, ut) & jnp.asarray(
-    (1 << (fi.bits - 1)) - 1, ut
-  )  # |x| as bits (sign cleared)
-  return (mag != 0) & (mag < jnp.asarray(1 << fi.nmant, ut))
-
-
-def norms_up(x, axis=-1) -> jax.Array:
-  """||x||_2 over ``axis``, rounded up, in the compute dtype.
-
-  Scaled by an exact power of two 2^-e (e the exponent of max |x_c|, capped
-  so that 2^-e stays a normal number), so squares neither underflow (|x| ~
-  1e-30) nor overflow (|x_c| > 2^64), and no reciprocal is ever formed (1 /
-  max|x| is subnormal for max|x| > 2^126 and reads 0 on a CPU). Subnormal
-  components, which the CPU reads as 0, still give a positive norm: sqrt(n)
-  tiny is added where any is present. The result is +inf only when the
-  rounded-up norm exceeds the largest float (honest), or a component is
-  +-inf; NaN when a component is NaN.
-
-  Args:
-    x: ``[..., n, ...]`` float array (any float dtype).
-    axis: the axis reduced.
-
-  Returns:
-    ``[...]`` nonnegative, >= the exact norm of the float inputs.
-  """
-  nrm, _ = _norms_up(x, axis)
-  return nrm
-
-
-def _norms_up(x, axis):
-  """(``norms_up``, whether every component is finite)."""
-  x = jnp.asarray(x)
-  dt = compute_dtype(x.dtype)
-  fi = jnp.finfo(dt)
-  sub = flushed(x, axis)
-  xc = jnp.moveaxis(x, axis, -1).astype(dt)  # [..., n]
-  n = xc.shape[-1]
-  m = jnp.max(jnp.abs(xc), axis=-1, initial=0.0)  # [...]; NaN propagates
-  finite = jnp.isfinite(m)
-  pos = finite & (m > 0)
-  _, e = jnp.frexp(jnp.where(pos, m, 1.0))  # m = f 2^e, f in [0.5, 1)
-  # e in [minexp + 1, -minexp]: 2^-e and 2^e are normal; max r < 4.
-  e = jnp.where(pos, jnp.minimum(e, -fi.minexp), 0)
-  # x, not |x|: XLA:CPU fused |x| into both reductions ~5x slower.
-  r = xc * _pow2(-e, dt)[..., None]  # exact (flushed entries: < 2^-120 m)
-  ss = jnp.sum(r * r, axis=-1)  # [...] <= 16 n
-  # Sum of n squares, the sqrt and this product: (n + 8) eps covers them.
-  nrm = jnp.sqrt(ss) * (1 + (n + 8) * fi.eps) * _pow2(e, dt)  # inf: honest
-  nrm = jnp.where(finite, nrm, m)  # inf or NaN components
-  floor = jnp.sqrt(jnp.asarray(max(n, 1), dt)) * fi.tiny * 2
-  return jnp.where(sub, nrm + floor, nrm), finite
-
-
 def value_norms(values) -> jax.Array:
   """``[..., n]`` ||v_j||_2 of ``[..., n, d_v]`` values, rounded up.
 
   ``norms_up`` over the last axis, except that a value with a non-finite
   component gets NaN: a NaN norm marks the value as broken and makes every
-  row that holds it as a real key invalid (``row_valid``). A finite value
-  whose norm overflows gets +inf (a sound, if trivial, bound).
+  row that holds it as a real key invalid (``row_valid``). Norms above
+  2^126 (8.5e37) are stored COMPRESSED (``jaxtopk.theory``'s ``_floats``:
+  monotone, so ``max_norm`` and masks work unchanged; ``output_error_bound``
+  and ``logit_output_error`` read them): a finite value near the largest
+  float ([3e38, 3e38], norm 4.2e38) has a finite stored norm, and the
+  output error of a row that drops little of it stays finite (it was +inf
+  whatever tv was).
   """
-  nrm, finite = _norms_up(values, -1)
+  nrm, finite = _theory.norms_and_finite(values, -1, compress=True)
   return jnp.where(finite, nrm, jnp.nan)
 
 
@@ -248,9 +204,9 @@ def abs_dot_box(query, k_absmax) -> jax.Array:
   a = jnp.asarray(k_absmax).astype(dt)
   # An einsum, not a broadcast-multiply-reduce: XLA:CPU runs the latter
   # ~50x slower for decode-sized caches.
-  per = jnp.einsum("...gd,...nd->...gn", q, a)  # [..., g, nb]
+  per = jnp.einsum("...gd,...nd->...gn", q, a, precision=PRECISION)
   d = q.shape[-1]
-  return per * (1 + (d + 4) * _eps(dt))
+  return per * (1 + (d + 4) * _eps(dt))  # [..., g, nb]
 
 
 def logit_error_bound(
@@ -326,6 +282,10 @@ def logit_error_bound(
   # Through a barrier: XLA reassociates constant factors, and scale *
   # sqrt(d) tiny folded at compile time underflows to 0 (scale 1e-20).
   flush = flush * _opaque(jnp.sqrt(jnp.asarray(d, dt)) * tiny)
+  # Plain products are sound here (``mul_up`` is not needed): a product
+  # that flushes is below tiny (x the factor left, which is a scale), and
+  # the (2 d + 16) tiny max(1, scale) term covers it; one that overflows
+  # sets the overflow flag (a trivial certificate).
   sa = scale * a
   delta = sa * ((d + 4) * eps) + scale * flush
   delta = delta + (2 * d + 16) * tiny * jnp.maximum(scale, 1.0)
@@ -413,8 +373,9 @@ def output_error_bound(tv_bound, head_norm, tail_norm) -> jax.Array:
 
   Args:
     tv_bound: ``[...]`` tv bound in [0, 1].
-    head_norm: ``[...]`` max ||v_j|| over kept keys (``max_norm``).
-    tail_norm: ``[...]`` max ||v_j|| over dropped real keys.
+    head_norm: ``[...]`` max ||v_j|| over kept keys (``max_norm`` of
+      ``value_norms``: compressed above 2^126).
+    tail_norm: ``[...]`` max ||v_j|| over dropped real keys (likewise).
 
   Returns:
     ``[...]`` bound, NaN where an input is NaN.
@@ -423,11 +384,11 @@ def output_error_bound(tv_bound, head_norm, tail_norm) -> jax.Array:
   dt = tv.dtype
   h = jnp.asarray(head_norm, dt)
   t = jnp.asarray(tail_norm, dt)
-  eps, tiny = _eps(dt), _tiny(dt)
-  # Inputs below the smallest normal would read 0: raise them to it.
-  tv, h, t = (jnp.where(_subnormal(x), tiny, x) for x in (tv, h, t))
-  th = up_positive(tv * h, (tv > 0) & (h > 0))
-  tt = up_positive(tv * t, (tv > 0) & (t > 0))
+  eps = _eps(dt)
+  # ``mul_norm_up`` reads the stored (compressed) norms; subnormal inputs
+  # count as the smallest normal, a positive product is never 0.
+  th = _theory.mul_norm_up(tv, h)
+  tt = _theory.mul_norm_up(tv, t)
   b = (th + tt) * (1 + 8 * eps)
   b = up_positive(b, (th > 0) | (tt > 0))
   bad = jnp.isnan(tv) | jnp.isnan(h) | jnp.isnan(t)
@@ -448,7 +409,8 @@ def logit_output_error(logit_error, head_norm) -> jax.Array:
 
   Args:
     logit_error: ``[...]`` delta (``logit_error_bound``).
-    head_norm: ``[...]`` max ||v_j|| over the kept keys.
+    head_norm: ``[...]`` max ||v_j|| over the kept keys (a stored norm of
+      ``value_norms``, compressed above 2^126).
 
   Returns:
     ``[...]`` nonnegative bound (NaN where ``head_norm`` is NaN).
@@ -456,11 +418,10 @@ def logit_output_error(logit_error, head_norm) -> jax.Array:
   h = jnp.asarray(head_norm)
   dt = h.dtype
   delta = jnp.asarray(logit_error, dt)
-  eps, tiny = _eps(dt), _tiny(dt)
+  eps = _eps(dt)
   frac = -jnp.expm1(-2 * jnp.maximum(delta, 0.0))  # in [0, 1]
   frac = jnp.minimum(2 * frac * (1 + 4 * eps), 2.0)
-  h = jnp.where(_subnormal(h), tiny, h)
-  b = up_positive(frac * h * (1 + 4 * eps), (frac > 0) & (h > 0))
+  b = _theory.mul_norm_up(frac * (1 + 4 * eps), h)  # h: a stored norm
   return jnp.where(delta > 0, b, jnp.zeros((), dt))
 
 
@@ -472,6 +433,18 @@ def logits_ok(logits, real) -> jax.Array:
   s = jnp.asarray(logits)
   bad = jnp.isnan(s) | (s == jnp.inf)
   return ~jnp.any(real & bad, axis=-1)
+
+
+def scale_ok(scale) -> jax.Array | bool:
+  """Whether a logit scale is one the certificates cover: finite and at
+  least ``MIN_SCALE`` (float32's smallest normal; a subnormal scale reads 0
+  on a CPU). True for a Python float (checked at the boundary); for an
+  array (a traced temperature), the bool that feeds ``row_valid``.
+  """
+  if isinstance(scale, int | float):
+    return True
+  scale = jnp.asarray(scale)
+  return jnp.isfinite(scale) & (scale >= MIN_SCALE)
 
 
 def row_valid(
@@ -489,8 +462,9 @@ def row_valid(
     logits_ok: ``[...]`` bool from ``logits_ok`` (no NaN / +inf real logit).
     norms_ok: ``[...]`` bool, the real keys' value norms are not NaN.
     output_ok: ``[...]`` bool, the computed output is finite.
-    scale_ok: bool, the logit scale is finite and > 0 (checked on traced
-      scales; a static scale is checked by ``attention.checks``).
+    scale_ok: bool, the logit scale is finite and >= ``MIN_SCALE``
+      (``scale_ok``, on traced scales; a static scale is checked at the
+      boundary by ``attention.checks``).
 
   Returns:
     ``[...]`` bool.
@@ -555,6 +529,29 @@ def finish_certificate(
     output_error_bound=err,
     valid=valid,
     failure_prob=failure_prob,
+  )
+
+
+def mark_invalid(cert: Certificate, bad) -> Certificate:
+  """``cert`` with the rows ``bad`` made invalid by the rule of ``row_valid``.
+
+  For a condition found outside the certificate's own computation (e.g. a
+  decode step past the cache's capacity): valid False, float fields NaN,
+  ``k_kept`` 0 where ``bad``; ``keys_scored`` unchanged.
+
+  Args:
+    cert: a Certificate ``[...]``.
+    bad: bool broadcastable to ``[...]``.
+  """
+  bad = jnp.broadcast_to(jnp.asarray(bad, bool), cert.valid.shape)
+  nan = lambda x: None if x is None else jnp.where(bad, jnp.nan, x)  # noqa: E731
+  return dataclasses.replace(
+    cert,
+    tv_bound=nan(cert.tv_bound),
+    log_tv_bound=nan(cert.log_tv_bound),
+    k_kept=jnp.where(bad, 0, cert.k_kept).astype(cert.k_kept.dtype),
+    output_error_bound=nan(cert.output_error_bound),
+    valid=cert.valid & ~bad,
   )
 
 

@@ -32,6 +32,7 @@ from jaxtyping import Bool
 from jaxtyping import Float
 from jaxtyping import Int
 
+from jaxtopk.theory import _floats
 from jaxtopk.theory import _rows
 from jaxtopk.theory import _tail
 
@@ -123,8 +124,9 @@ def box_summary(keys, *, block_size: int, mask=None) -> BoxSummary:
 def ball_summary(keys, *, block_size: int, mask=None) -> BallSummary:
   """Per-block centre and radius of ``keys`` (THEORY 3.3, ball form).
 
-  The radius is rounded up by a relative slack so that ||k_i - c|| <= r holds
-  for the float64 values of the keys and centre.
+  The radius is rounded up so that ||k_i - c|| <= r holds for the exact
+  values of the keys and centre (``_floats.dist_up``: scaled norms, so
+  coordinates below 1e-19, whose squares underflow, keep their distance).
 
   Args:
     keys: ``[..., n_keys, head_dim]``.
@@ -139,17 +141,7 @@ def ball_summary(keys, *, block_size: int, mask=None) -> BallSummary:
   v = vb[..., None]
   denom = jnp.maximum(count, 1)[..., None].astype(kb.dtype)
   centre = jnp.sum(jnp.where(v, kb, 0.0), axis=-2) / denom  # [..., nb, d]
-  diff = kb - centre[..., None, :]  # [..., nb, bs, d]
-  d = kb.shape[-1]
-  eps = jnp.finfo(kb.dtype).eps
-  dist = jnp.sqrt(jnp.sum(diff * diff, axis=-1))  # [..., nb, bs]
-  # Round-off in diff, the squares, the sum and the sqrt: relative (d + 4) eps
-  # of the distance plus (d + 4) eps of the key and centre magnitudes.
-  mag = (
-    jnp.sqrt(jnp.sum(kb * kb, axis=-1))
-    + jnp.sqrt(jnp.sum(centre * centre, axis=-1))[..., None]
-  )
-  dist = dist + (d + 4) * eps * (dist + mag)
+  dist = _floats.dist_up(kb, centre[..., None, :])  # [..., nb, bs]
   radius = jnp.max(jnp.where(vb, dist, 0.0), axis=-1)  # [..., nb]
   return BallSummary(centre=centre, radius=radius, count=count)
 
@@ -196,7 +188,11 @@ def ball_upper_bound(query, summary: BallSummary, *, scale) -> jax.Array:
   """Sound upper bound on the logits of every block, from its ball.
 
   u_b = scale * (q.c_b + ||q|| r_b) >= max_{i in B_b} scale q.k_i (Cauchy-
-  Schwarz), rounded up. Empty blocks get -inf.
+  Schwarz), rounded up. Norms are scaled (``_floats.norms_up``: no square
+  overflows for |q_c| > 1.8e19 nor underflows for tiny ones) and the ball
+  term scale ||q|| r_b is formed by ``_floats.mul_up`` (scale ||q|| may be
+  subnormal while the product with r_b is of order one). Empty blocks get
+  -inf.
 
   Args:
     query: ``[..., head_dim]``; leading axes broadcast against the summary's.
@@ -207,21 +203,31 @@ def ball_upper_bound(query, summary: BallSummary, *, scale) -> jax.Array:
     ``[..., n_blocks]`` upper bounds in float32 (float64 for float64 input).
   """
   dt = summary.centre.dtype
-  q = jnp.asarray(query).astype(dt)
+  fi = jnp.finfo(dt)
+  q_in = jnp.asarray(query)
+  q = q_in.astype(dt)
   d = q.shape[-1]
-  qn = jnp.sqrt(jnp.sum(q * q, axis=-1))[..., None]  # [..., 1]
-  qn = qn * (1 + (d + 2) * jnp.finfo(dt).eps)
+  qn = _floats.norms_up(q_in)[..., None]  # [..., 1]
   prod = q[..., None, :] * summary.centre  # [..., nb, d]
   qc = jnp.sum(prod, axis=-1)  # [..., nb]
+  cn = _floats.norms_up(summary.centre)  # [..., nb]
+  r = summary.radius
   # Rounding of q.c, plus the rounding of any float logit q.k_i of the block
   # (sum_c |q_c k_ic| <= ||q|| (||c|| + r)), so that u_b also bounds logits
-  # computed in this dtype (THEORY 3.4).
-  cn = jnp.sqrt(jnp.sum(summary.centre * summary.centre, axis=-1))
-  slack = _dot_slack(
-    jnp.sum(jnp.abs(prod), axis=-1) + qn * (cn + summary.radius), d, dt
-  )
-  u = scale * (qc + slack + qn * summary.radius)
-  u = u + jnp.abs(u) * 4 * jnp.finfo(dt).eps
+  # computed in this dtype (THEORY 3.4); and the terms lost to subnormal
+  # components read as 0: sqrt(d) tiny (||c|| + r) where q has some, and
+  # sqrt(d) tiny ||q|| for those of c or of the keys.
+  # (Plain products: one that flushes is below tiny, which the final
+  # (d + 4) tiny covers; one that overflows is an honest +inf.)
+  mag = qn * (cn + r)
+  q_sub = _floats.flushed(q_in)[..., None]  # [..., 1]
+  lost_unit = (2 * d**0.5 + 2) * float(fi.tiny)  # a normal constant
+  lost = lost_unit * (qn + 1) + jnp.where(q_sub, lost_unit * (cn + r), 0.0)
+  slack = _dot_slack(jnp.sum(jnp.abs(prod), axis=-1) + mag, d, dt) + lost
+  a = scale * (qc + slack)
+  b = _floats.mul_up(scale, qn, r)  # the ball term, never flushed
+  u = a + b
+  u = u + (jnp.abs(a) + b) * 4 * fi.eps + (d + 4) * fi.tiny
   return jnp.where(summary.count > 0, u, -jnp.inf)
 
 

@@ -21,9 +21,21 @@ imports a private theory module (``tests/api_test.py`` forbids new ones).
 - ``blockwise_log_bound_row(...)``: the log of the THEORY 3.3 bound for ONE
   row (``jaxtopk.theory.blockwise_log_bound`` is its vmapped public form),
   for code that vmaps rows itself.
+- ``flushed``, ``subnormal``, ``norms_up``, ``norms_and_finite``,
+  ``mul_up``, ``mul_norm_up``, ``dist_up``, ``pow2``: the float-safe
+  primitives of ``_floats`` (norms and products that neither flush nor
+  overflow; value norms stored compressed above 2^126).
 """
 
 from jaxtopk.theory._blockwise import blockwise_log_bound_row
+from jaxtopk.theory._floats import dist_up
+from jaxtopk.theory._floats import flushed
+from jaxtopk.theory._floats import mul_norm_up
+from jaxtopk.theory._floats import mul_up
+from jaxtopk.theory._floats import norms_and_finite
+from jaxtopk.theory._floats import norms_up
+from jaxtopk.theory._floats import pow2
+from jaxtopk.theory._floats import subnormal
 from jaxtopk.theory._rows import compute_dtype
 from jaxtopk.theory._rows import exp_up
 from jaxtopk.theory._rows import finish_log_bound
@@ -33,8 +45,16 @@ from jaxtopk.theory._rows import up_positive
 __all__ = [
   "blockwise_log_bound_row",
   "compute_dtype",
+  "dist_up",
   "exp_up",
   "finish_log_bound",
+  "flushed",
   "log_slack",
+  "mul_norm_up",
+  "mul_up",
+  "norms_and_finite",
+  "norms_up",
+  "pow2",
+  "subnormal",
   "up_positive",
 ]

@@ -109,6 +109,9 @@ class ArgumentTest(parameterized.TestCase):
     ("scale_nan", float("nan"), ValueError, "scale=nan"),
     ("scale_zero", 0.0, ValueError, "scale=0.0"),
     ("scale_negative", -1.0, ValueError, "scale=-1.0"),
+    # Subnormal: a CPU reads it as 0 (every logit 0, exact ones ~0.88).
+    ("scale_subnormal", 1.1e-38, ValueError, "scale=1.1e-38 is below"),
+    ("scale_numpy_subnormal", np.float32(1e-40), ValueError, "smallest normal"),
     ("scale_numpy_inf", np.float32("inf"), ValueError, "scale=inf"),
     ("scale_bool", True, TypeError, "scale=True"),
     ("scale_string", "0.5", TypeError, "scale='0.5'"),
@@ -138,6 +141,9 @@ class ArgumentTest(parameterized.TestCase):
       twice, good = f(jnp.float32(value))
       self.assertEqual(float(twice), 2 * value)
       self.assertEqual(bool(good), ok)
+    # A traced subnormal scale: its rows are invalid (it reads 0 on a CPU).
+    self.assertFalse(bool(f(jnp.float32(1.1e-38))[1]))
+    self.assertTrue(bool(f(jnp.float32(1.2e-38))[1]))
 
   @parameterized.named_parameters(
     ("mask_float", np.ones((B, 1, 1, S), np.float32), TypeError, "bias="),

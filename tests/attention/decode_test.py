@@ -79,6 +79,43 @@ class CacheTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "key must be"):
       jaxtopk.kv_cache_update(cache, jnp.ones((2, 1, 2, 3)), jnp.ones((2, 1)))
 
+  @parameterized.named_parameters(
+    # [2] for a batch of 2 rows of 1 used to corrupt ``length``; a Python
+    # int raised an IndexError naming nothing (now: one count for all).
+    ("shape", np.array([1, 2, 1]), ValueError, "num_steps must be"),
+    ("float", np.array([1.0, 2.0]), TypeError, "num_steps.dtype=float64"),
+    ("bool", True, TypeError, "num_steps=True"),
+    ("range", np.array([0, 3]), ValueError, r"num_steps=\[0, 3\]"),
+    ("negative", -1, ValueError, r"num_steps=-1 must be in \[0, 2\]"),
+  )
+  def test_bad_num_steps(self, num_steps, exc, fragment):
+    cache = jaxtopk.init_kv_cache(2, 32, 1, 3, block_size=16)
+    x = jnp.ones((2, 2, 1, 3))
+    with self.assertRaisesRegex(exc, fragment):
+      jaxtopk.kv_cache_update(cache, x, x, num_steps=num_steps)
+
+  def test_num_steps_scalar_and_traced(self):
+    cache = jaxtopk.init_kv_cache(2, 32, 1, 3, block_size=16)
+    x = jnp.ones((2, 2, 1, 3))
+    got = jaxtopk.kv_cache_update(cache, x, x, num_steps=1)
+    np.testing.assert_array_equal(got.length, [1, 1])
+    f = jax.jit(lambda c, n: jaxtopk.kv_cache_update(c, x, x, num_steps=n))
+    got = f(cache, jnp.array([5, 1]))  # traced: clipped to [0, steps]
+    np.testing.assert_array_equal(got.length, [2, 1])
+
+  @parameterized.named_parameters(
+    ("complex", np.complex64, "key must be real floating"),
+    ("int", np.int32, "key must be real floating"),
+  )
+  def test_non_real_keys_refused(self, dtype, fragment):
+    # Complex keys were silently cast to their real part.
+    cache = jaxtopk.init_kv_cache(1, 16, 1, 3, block_size=16)
+    x = np.ones((1, 1, 1, 3), np.float32)
+    with self.assertRaisesRegex(TypeError, fragment):
+      jaxtopk.kv_cache_update(cache, x.astype(dtype), x)
+    with self.assertRaisesRegex(TypeError, "value must be real floating"):
+      jaxtopk.kv_cache_update(cache, x, x.astype(dtype))
+
 
 def _reference(q, k, v, policy):
   """topk_attention over each row's filled prefix, as the decode oracle."""

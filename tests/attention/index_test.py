@@ -374,7 +374,7 @@ class IndexTest(parameterized.TestCase):
       )
     with self.assertRaisesRegex(ValueError, "query must be"):
       jaxtopk.certify_selection(q[:, :, :, :3], index, np.zeros((B, 1, 1, 1)))
-    with self.assertRaisesRegex(ValueError, "integer"):
+    with self.assertRaisesRegex(TypeError, "positions must be integer"):
       jaxtopk.certify_selection(q, index, np.zeros((B, 1, 1, 1)))
     with self.assertRaisesRegex(ValueError, "eps"):
       jaxtopk.grow_selection(q, index, np.zeros((B, 1, 1, 1), int), eps=1.5)
@@ -407,6 +407,201 @@ class IndexTest(parameterized.TestCase):
     np.testing.assert_array_equal(c1.tv_bound, c2.tv_bound)
     leaves = jax.tree.leaves(index)
     self.assertLen(leaves, len(dataclasses.fields(index)) - 2)
+
+
+def _ld_logits(q, k, scale):
+  """``[h, n]`` exact logits of q ``[1, 1, h, d]``, k ``[1, n, 1, d]``."""
+  qq = np.asarray(q, np.float32).astype(np.longdouble)[0, 0]
+  kk = np.asarray(k, np.float32).astype(np.longdouble)[0, :, 0]
+  return (qq @ kk.T) * np.longdouble(scale)
+
+
+def _tau_ld(s, keep):
+  """Exact dropped mass of each row of ``s`` ``[h, n]`` (longdouble)."""
+  m = s.max(-1, keepdims=True)
+  e = np.exp(s - m)
+  return (e * ~keep).sum(-1) / e.sum(-1)
+
+
+class IndexAuditTest(parameterized.TestCase):
+  """Regression tests of the second reliability audit (content index)."""
+
+  def test_tiny_query_keeps_its_ball_term(self):
+    # ||q|| = 1.5e-38 against one group of keys +-2.5e38 along q: scale
+    # ||q|| is subnormal, and (scale ||q||) r flushed the ball term (~1.9
+    # logits) to 0: tv 0.518 against tau 0.648.
+    k = np.zeros((1, 8, 1, 4), np.float32)
+    k[0, :, 0, 0] = [2.5e38, -2.5e38, 1e38, -1e38] * 2
+    q = np.zeros((1, 1, 2, 4), np.float32)
+    q[0, 0, :, 0] = [1.5e-38, -1.5e-38]
+    index = jaxtopk.build_kv_index(k, k, group_size=8, num_clusters=1)
+    pos = np.array([[[[0], [1]]]])
+    cert = jaxtopk.certify_selection(q, index, pos)
+    keep = np.zeros((2, 8), bool)
+    keep[0, 0] = keep[1, 1] = True
+    tau = _tau_ld(_ld_logits(q, k, 0.5), keep)
+    np.testing.assert_array_equal(cert.valid, True)
+    tv = np.asarray(cert.tv_bound, np.longdouble)[0, 0]
+    self.assertTrue(np.all(tv >= tau), (tv, tau))
+    _, sel = jaxtopk.grow_selection(q, index, pos, eps=0.5, max_groups=0)
+    tv = np.asarray(sel.certificate.tv_bound, np.longdouble)[0, 0]
+    self.assertTrue(np.all(tv >= tau), (tv, tau))
+
+  @parameterized.named_parameters(("3e37", 3e37), ("1e38", 1e38))
+  def test_large_values_are_averaged_not_summed(self, mag):
+    # 16 values of 3e37: their weighted sum overflows, their mean does
+    # not; every index row was invalid with zero output.
+    rng = np.random.default_rng(0)
+    k = rng.normal(size=(1, 16, 1, 4)).astype(np.float32)
+    v = np.full((1, 16, 1, 2), mag, np.float32)
+    v[..., 1] *= np.where(np.arange(16) % 2, 1, -1)[None, :, None]
+    q = (0.1 * rng.normal(size=(1, 1, 2, 4))).astype(np.float32)
+    index = jaxtopk.build_kv_index(k, v, group_size=4)
+    cache = jaxtopk.init_kv_cache(1, 16, 1, 4, block_size=4, value_dim=2)
+    cache = jaxtopk.kv_cache_update(cache, k, v)
+    for pol in (
+      jaxtopk.Dense(),
+      jaxtopk.FixedK(5),
+      jaxtopk.Certified(0.05, "delta", block_size=4),
+    ):
+      out, cert = jaxtopk.decode_attention(q, index, policy=pol)
+      want, _ = jaxtopk.decode_attention(q, cache, policy=jaxtopk.Dense())
+      np.testing.assert_array_equal(cert.valid, True, err_msg=str(pol))
+      self.assertTrue(np.all(np.isfinite(out)))
+      if isinstance(pol, jaxtopk.Dense):
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=mag * 1e-5)
+    pos = np.broadcast_to(np.arange(16), (1, 1, 1, 16))
+    np.testing.assert_array_equal(
+      jaxtopk.certify_selection(q, index, pos).valid, True
+    )
+    out, sel = jaxtopk.grow_selection(q, index, pos[..., :3], eps=0.01)
+    np.testing.assert_array_equal(sel.certificate.valid, True)
+    self.assertTrue(np.all(np.isfinite(out)))
+
+  @parameterized.named_parameters(
+    ("nan", np.nan), ("inf", np.inf), ("minus_inf", -np.inf)
+  )
+  def test_non_finite_key_outside_the_set_makes_the_row_invalid(self, bad):
+    # Its group's bound is NaN or +inf: the row cannot be certified (it
+    # reported valid with tv 1 and an infinite output bound).
+    rng = np.random.default_rng(1)
+    k = rng.normal(size=(1, 16, 1, 4)).astype(np.float32)
+    k[0, 13, 0, 1] = bad
+    q = rng.normal(size=(1, 1, 2, 4)).astype(np.float32)
+    v = np.ones((1, 16, 1, 2), np.float32)
+    index = jaxtopk.build_kv_index(k, v, group_size=4)
+    pos = np.broadcast_to(np.arange(3), (1, 1, 1, 3))
+    cert = jaxtopk.certify_selection(q, index, pos)
+    np.testing.assert_array_equal(cert.valid, False)
+    self.assertTrue(np.all(np.isnan(cert.tv_bound)))
+    _, sel = jaxtopk.grow_selection(q, index, pos, eps=0.1, max_groups=0)
+    np.testing.assert_array_equal(sel.certificate.valid, False)
+    # Scoring every group: the key's own logit decides (NaN or +inf:
+    # invalid; -inf: a key of zero mass, the row stays valid).
+    _, sel = jaxtopk.grow_selection(q, index, pos, eps=1e-6)
+    s = _ld_logits(q, k, 0.5)[:, 13]
+    want = (s == -np.inf) & bool(np.asarray(sel.keep)[0, 0, 0, 13])
+    np.testing.assert_array_equal(sel.certificate.valid[0, 0], want)
+
+  def test_positions_checked_before_the_int32_cast(self):
+    # An int64 position 2**32 + 1 wrapped to 1 and was certified as kept:
+    # tv 1e-12 against tau 1. Out of range, it is ignored.
+    rng = np.random.default_rng(2)
+    k = rng.normal(size=(1, 16, 1, 4)).astype(np.float32)
+    q = (3 * rng.normal(size=(1, 1, 1, 4))).astype(np.float32)
+    k[0, 1, 0] = 3 * q[0, 0, 0]  # key 1 holds the mass
+    index = jaxtopk.build_kv_index(k, k, group_size=4)
+    big = np.array([[[[2**32 + 1]]]], np.int64)
+    cert = jaxtopk.certify_selection(q, index, big)
+    np.testing.assert_array_equal(cert.valid, False)  # nothing real kept
+    pos = np.array([[[[0, 2**32 + 1, -(2**32) + 1]]]], np.int64)
+    cert = jaxtopk.certify_selection(q, index, pos)
+    np.testing.assert_array_equal(cert.k_kept, 1)
+    keep = np.zeros((1, 16), bool)
+    keep[0, 0] = True
+    tau = _tau_ld(_ld_logits(q, k, 0.5), keep)
+    self.assertGreaterEqual(np.longdouble(float(cert.tv_bound[0, 0, 0])), tau)
+    with self.assertRaisesRegex(TypeError, "positions"):
+      jaxtopk.certify_selection(q, index, np.zeros((1, 1, 1, 1), bool))
+
+  def test_traced_scale(self):
+    k, v, q = _clustered()
+    index = _index(k, v, None, jnp.float32)
+    pos = np.zeros((B, 1, 1, 2), np.int32)
+    delta = jaxtopk.Certified(0.1, "delta", block_size=C)
+    calls = {
+      "dense": lambda s: jaxtopk.decode_attention(
+        q, index, policy=jaxtopk.Dense(), scale=s
+      ),
+      "delta": lambda s: jaxtopk.decode_attention(
+        q, index, policy=delta, scale=s
+      ),
+      "certify": lambda s: (
+        None,
+        jaxtopk.certify_selection(q, index, pos, scale=s),
+      ),
+      "grow": lambda s: jaxtopk.grow_selection(q, index, pos, eps=0.1, scale=s),
+    }
+    for name, fn in calls.items():
+      cert = jax.jit(fn)(jnp.float32(0.3))[1]
+      cert = getattr(cert, "certificate", cert)
+      want = fn(0.3)[1]
+      want = getattr(want, "certificate", want)
+      np.testing.assert_allclose(
+        cert.tv_bound, want.tv_bound, rtol=1e-5, err_msg=name
+      )
+      np.testing.assert_array_equal(cert.valid, True, err_msg=name)
+      # A traced scale below float32's smallest normal reads 0 on a CPU:
+      # rows invalid.
+      bad = jax.jit(fn)(jnp.float32(1.1e-38))[1]
+      bad = getattr(bad, "certificate", bad)
+      np.testing.assert_array_equal(bad.valid, False, err_msg=name)
+
+  def test_build_and_update_arguments_named(self):
+    k = np.ones((1, 3, 1, 4), np.float32)
+    for lengths, exc, frag in (
+      ([3.7], TypeError, "lengths.dtype=float64"),  # truncated silently
+      ([5], ValueError, r"lengths=\[5\] must be in \[0, 3\]"),
+      ([1, 2], ValueError, "lengths must be"),
+    ):
+      with self.assertRaisesRegex(exc, frag):
+        jaxtopk.build_kv_index(k, k, lengths=lengths)
+    for dt in (np.int32, bool, np.complex64):
+      with self.assertRaisesRegex(TypeError, "keys"):
+        jaxtopk.build_kv_index(k.astype(dt), k)
+      with self.assertRaisesRegex(TypeError, "values"):
+        jaxtopk.build_kv_index(k, k.astype(dt))
+    index = jaxtopk.build_kv_index(k, k, max_len=8, group_size=4)
+    x = np.ones((1, 2, 1, 4), np.float32)
+    with self.assertRaisesRegex(ValueError, "num_steps must be"):  # was a
+      jaxtopk.kv_index_update(index, x, x, num_steps=np.array([1, 2]))  # vmap
+    with self.assertRaisesRegex(TypeError, "key must be real"):
+      jaxtopk.kv_index_update(index, x.astype(np.complex64), x)
+    got = jaxtopk.kv_index_update(index, x, x, num_steps=1)
+    np.testing.assert_array_equal(got.length, [4])
+
+  def test_arguments_named(self):
+    k, v, q = _clustered()
+    index = _index(k, v, None, jnp.float32)
+    pos = np.zeros((B, 1, 1, 1), np.int32)
+    for scale, exc in ((1.1e-38, ValueError), ("a", TypeError)):
+      with self.assertRaisesRegex(exc, "scale"):
+        jaxtopk.certify_selection(q, index, pos, scale=scale)
+      with self.assertRaisesRegex(exc, "scale"):
+        jaxtopk.decode_attention(q, index, policy=jaxtopk.Dense(), scale=scale)
+    for dt in (np.int32, np.complex64, bool):
+      bad_q = np.ones(q.shape, dt)
+      with self.assertRaisesRegex(TypeError, "query"):
+        jaxtopk.certify_selection(bad_q, index, pos)
+      with self.assertRaisesRegex(TypeError, "query"):
+        jaxtopk.decode_attention(bad_q, index, policy=jaxtopk.Dense())
+    with self.assertRaisesRegex(TypeError, "eps"):
+      jaxtopk.grow_selection(q, index, pos, eps="0.1")
+    for eps in (np.float32(0.1), jnp.float32(0.1), np.float64(0.1)):
+      _, sel = jaxtopk.grow_selection(
+        q, index, pos, eps=eps, max_groups=np.int64(2)
+      )
+      self.assertEqual(sel.certificate.valid.shape, (B, 1, H))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,11 @@ bias; key-padding masks and per-row masks (empty rows, one real key);
 values near overflow and tiny values; non-finite values (rows attending
 to one must be invalid; one held by a masked key changes nothing). Each
 dtype (float32, bfloat16, float16) keeps the values inside its range.
+
+The second audit's families: tiny NORMAL queries (~1.5e-38: scale ||q|| is
+subnormal) against keys ~1e38 (logits of order one, ball terms of order
+one); keys below 1e-19 (their squares underflow) against queries ~1e19;
+values near the float32 maximum (norms above it).
 """
 
 import dataclasses
@@ -47,10 +52,13 @@ FAMILIES = (
   "row_masks",
   "big_values",
   "nonfinite_values",
+  "tiny_query",
+  "tiny_keys",
+  "near_max_values",
 )
 
-# Families whose values are out of float16's range (|v| ~ 3e37, 1e38 keys).
-_F16_OUT = {"big_values"}
+# Families out of float16's range (|v| ~ 3e37, 1e38 keys, 1e-38 queries).
+_F16_OUT = {"big_values", "tiny_query", "tiny_keys", "near_max_values"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +194,22 @@ def _build(family, rng, dtype):
     mask = rng.random((B, 1, 1, N)) < (0.7 if rng.random() < 0.5 else 1.0)
     mask[..., j2] = False
     mask = np.broadcast_to(mask, (B, 1, T, N))
+  elif family == "tiny_query":
+    # ||q|| ~ 1.5e-38 (normal): scale ||q|| is subnormal. Keys spread
+    # +-2.5e38 along q's first axis, so a ball of them is worth logits.
+    q = rng.choice([0.0, 1.2e-38, -1.2e-38, 1.5e-38, -1.5e-38], size=q.shape)
+    q[..., 0] = rng.choice([1.2e-38, -1.5e-38, 1.5e-38], size=q.shape[:-1])
+    k = k * 3e37
+    k[..., 0] = rng.choice([2.5e38, -2.5e38, 1e38, -1e38], size=k.shape[:-1])
+  elif family == "tiny_keys":
+    # |k_c| <= 1e-19: squares underflow (radii of 0 when not scaled).
+    k = np.clip(k, -1, 1) * 1e-19
+    q = np.clip(q, -2, 2) * 0.9e19 / np.sqrt(D)
+  elif family == "near_max_values":
+    # Values whose norms exceed the largest float32 (3.4e38).
+    mag = rng.choice([3.4e38, 3e38, 2e38, 1.0], size=(B, N, HK, ER))
+    v[..., N:] = mag * rng.choice([-1, 1], size=mag.shape)
+    q = q * 2.0
   else:
     raise ValueError(f"unknown {family=}")
   return q, k, v, mask, bias

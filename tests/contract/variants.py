@@ -13,6 +13,9 @@ None; output ``[B, T, H, E]``, Certificate ``[B, T, H]``), and what it takes:
 - ``grad``: whether gradients flow (prefill paths);
 - ``supports``: the policy features it honours; every other policy must be
   refused with an error naming the field (``Policy.require``);
+  ``supports_fn(policy)`` instead where that depends on the policy (the
+  index honours ``max_topk`` with the exact search, not with its group
+  searches);
 - ``effective``: optional map from the inputs to what the attention core
   really receives (the Flax layers project q, k, v: identity projections
   here, which XLA on CPU computes with subnormals flushed), for the
@@ -23,6 +26,16 @@ b * T + t with its own cache holding that row's real keys first (a KVCache
 has a filled prefix, so a row's mask becomes a permutation and a length;
 values travel with their keys, so the identity columns still name the
 original keys).
+
+The content index (``build_kv_index``, ``kv_index_update``), its
+certificates of given sets (``certify_selection``, ``grow_selection``),
+caches filled by ragged appends and the Flax layer's decode loop join the
+same way; their caches are filled exactly to capacity (no spare position),
+and the given sets carry out-of-range positions (-1, past the length,
+2**31 - 1) that must be ignored. Where a variant takes no policy (a given
+set), its adapter maps the policy to the call (a FixedK count of the
+largest logits to ``certify_selection``, a Delta-Search eps to
+``grow_selection``) and refuses the rest by name.
 """
 
 import dataclasses
@@ -39,6 +52,7 @@ from jaxtopk import parallel
 from jaxtopk.selection import FEATURES
 from jaxtopk.selection import Certified
 from jaxtopk.selection import capabilities
+from jaxtopk.selection import core
 from tests.contract import families as fam
 from tests.contract import policies as pol
 
@@ -59,11 +73,26 @@ class Variant:
   supports: frozenset = ALL
   effective: Callable | None = None
   head_dim: int = fam.D  # q/k head dim the path sees (sets the scale)
+  supports_fn: Callable | None = None
+  # The supported policies crossed in CI (None: all). A variant whose cells
+  # each compile a whole loop (an index build, a decode loop) crosses one
+  # policy per code path in CI; HYPOTHESIS_PROFILE=soak crosses them all.
+  ci_policies: tuple[str, ...] | None = None
+  low_precision: tuple[str, ...] = ("bfloat16", "float16")  # dtypes tried
+  # Whether ``test_eager`` compares an un-jitted call (False where the
+  # adapter is a jitted function itself: the check would compile it twice).
+  eager: bool = True
 
   @property
   def scale(self) -> float:
     """The logit scale the variant uses (the default 1/sqrt(head_dim))."""
     return float(1.0 / np.sqrt(self.head_dim))
+
+  def supported(self, policy) -> frozenset:
+    """The features this variant honours for ``policy``."""
+    if self.supports_fn is None:
+      return self.supports
+    return self.supports_fn(policy)
 
 
 def _prefill(implementation):
@@ -342,6 +371,219 @@ def _attention_fn(policy, dtype):
   return fn
 
 
+def _flat_rows(q, out, cert):
+  """``[B * T, 1, H, .]`` results back to ``[B, T, H, .]``."""
+  b, t, h, _ = q.shape
+  out = out.reshape(b, t, h, -1)
+  return out, jax.tree.map(lambda x: x.reshape(b, t, h), cert)
+
+
+def _index_of(kk, vv, length, bs, appends):
+  """An index of each row's real keys (a prefix of ``length``), built over
+  them all or over the first two and appended in ragged steps; capacity
+  exactly n (no spare position)."""
+  n = kk.shape[1]
+  first = min(2, n)
+  if not appends or first == n:
+    return jaxtopk.build_kv_index(kk, vv, lengths=length, group_size=bs)
+  index = jaxtopk.build_kv_index(
+    kk[:, :first],
+    vv[:, :first],
+    lengths=jnp.minimum(length, first),
+    max_len=n,
+    group_size=bs,
+  )
+  rest = jnp.maximum(length - first, 0)
+  return jaxtopk.kv_index_update(
+    index, kk[:, first:], vv[:, first:], num_steps=rest
+  )
+
+
+def _index_supports(policy):
+  """The index refuses max_topk with its group searches (delta, mc)."""
+  box = ALL - {"bound=lowrank"}
+  if isinstance(policy, Certified) and not policy.search.scores_all:
+    return box - {"max_topk"}
+  return box
+
+
+def _index_decode(appends):
+  def build(policy, dtype):
+    bs = _block(policy)
+
+    def fn(q, k, v, mask, bias):
+      del bias
+      b, t, h, d = q.shape
+      kk, vv, length = _rows_first(k, v, mask)
+      index = _index_of(kk, vv, length, bs, appends)
+      out, cert = jaxtopk.decode_attention(
+        q.reshape(b * t, 1, h, d), index, policy=policy, key=jax.random.key(0)
+      )
+      return _flat_rows(q, out, cert)
+
+    return fn
+
+  return build
+
+
+# What a given set is made of, per policy: a FixedCount count of the
+# largest logits (certify_selection), a Delta-Search eps (grow_selection).
+_CERTIFY = capabilities(
+  "policy=Dense", "policy=FixedK", "policy=Ratio", "policy=PowerLaw"
+)
+_GROW = capabilities("policy=Certified", "search=delta", "bound=box")
+# Out-of-range entries every given set carries (ignored by definition).
+_PAD = (-1, fam.N, 2**31 - 1)
+
+
+def _padded(positions):
+  """``[..., m]`` int32 positions with the out-of-range entries appended."""
+  pad = jnp.broadcast_to(
+    jnp.asarray(_PAD, jnp.int32), (*positions.shape[:-1], len(_PAD))
+  )
+  return jnp.concatenate([positions.astype(jnp.int32), pad], -1)
+
+
+def _largest(qr, kk, length, policy, scale):
+  """``[B * T, 1, H, N]`` positions of each row's ``policy.num_kept``
+  largest logits (-1 elsewhere): the set a cheap selector would give."""
+  n = kk.shape[1]
+  g = qr.shape[2] // kk.shape[2]
+  kh = jnp.repeat(jnp.swapaxes(kk, 1, 2), g, axis=1)  # [bt, h, n, d]
+  s = jnp.einsum(
+    "bhd,bhnd->bhn",
+    qr[:, 0].astype(jnp.float32),
+    kh.astype(jnp.float32),
+    precision=core.PRECISION,
+  )
+  real = jnp.arange(n)[None, None, :] < length[:, None, None]
+  s = jnp.where(real, s * scale, -jnp.inf)
+  order = jnp.argsort(-s, axis=-1, stable=True)
+  rank = (
+    jnp.zeros_like(order)
+    .at[
+      jnp.arange(s.shape[0])[:, None, None],
+      jnp.arange(s.shape[1])[None, :, None],
+      order,
+    ]
+    .set(jnp.arange(n))
+  )
+  count = policy.row_num_kept(length, n)[:, None, None]  # [bt, 1, 1]
+  keep = real & (rank < count)
+  return jnp.where(keep, jnp.arange(n), -1)[:, None]  # [bt, 1, h, n]
+
+
+def _given_set(policy, dtype):
+  """certify_selection of a FixedCount set of the largest logits (the
+  output over it from grow_selection with no group added), or
+  grow_selection from key 0 to a Delta-Search eps; both over an index
+  built over two keys and appended the rest, every set padded with
+  out-of-range positions."""
+  growing = isinstance(policy, Certified)
+  policy.require("certify_selection / grow_selection", _CERTIFY | _GROW)
+
+  def fn(q, k, v, mask, bias):
+    del bias
+    b, t, h, d = q.shape
+    kk, vv, length = _rows_first(k, v, mask)
+    index = _index_of(kk, vv, length, pol.BLOCK, appends=True)
+    qr = q.reshape(b * t, 1, h, d)
+    if growing:
+      start = _padded(jnp.zeros((b * t, 1, h, 1), jnp.int32))
+      out, sel = jaxtopk.grow_selection(qr, index, start, eps=policy.eps)
+      return _flat_rows(q, out, sel.certificate)
+    pos = _padded(_largest(qr, kk, length, policy, 1.0 / np.sqrt(d)))
+    cert = jaxtopk.certify_selection(qr, index, pos)
+    out, _ = jaxtopk.grow_selection(qr, index, pos, eps=0.5, max_groups=0)
+    return _flat_rows(q, out, cert)
+
+  return fn
+
+
+def _cache_appends(policy, dtype):
+  """decode_attention over a KVCache filled by three ragged appends,
+  exactly to capacity."""
+  bs = _block(policy)
+
+  def fn(q, k, v, mask, bias):
+    del bias
+    b, t, h, d = q.shape
+    n, hk, e = k.shape[1], k.shape[2], v.shape[3]
+    kk, vv, length = _rows_first(k, v, mask)
+    cache = jaxtopk.init_kv_cache(
+      b * t, -(-n // bs) * bs, hk, d, block_size=bs, dtype=k.dtype, value_dim=e
+    )
+    cuts = sorted({0, min(3, n), min(5, n), n})
+    for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+      steps = jnp.clip(length - lo, 0, hi - lo)
+      cache = jaxtopk.kv_cache_update(
+        cache, kk[:, lo:hi], vv[:, lo:hi], num_steps=steps
+      )
+    out, cert = jaxtopk.decode_attention(
+      q.reshape(b * t, 1, h, d), cache, policy=policy, key=jax.random.key(0)
+    )
+    return _flat_rows(q, out, cert)
+
+  return fn
+
+
+def _flax_decode(policy, dtype):
+  """The layer's decode loop (identity projections): each row's real keys
+  fed one step at a time (a ``lax.scan`` over the steps after the first),
+  its output read at its last real step (the decode_attention path); rows
+  with no real key read a last step masked to nothing (the layer's masked
+  path). The cache is filled exactly to init_cache's max_length (n + 1
+  steps)."""
+  layer = jaxtopk.nn.CertifiedTopKAttention(policy=policy, **_mha_kwargs(dtype))
+  graphdef, state = nnx.split(layer)
+
+  @jax.jit
+  def apply(state, q, k, v, mask):  # state: an argument (see _flax_layer)
+    b, t, h, _ = q.shape
+    n = k.shape[1]
+    kk, vv, length = _rows_first(k, v, mask)
+    xq, xk, xv = _layer_inputs(q.reshape(b * t, 1, h, -1), kk, vv)
+    m = nnx.merge(graphdef, state)
+    m.init_cache((b * t, n + 1, xq.shape[-1]), dtype=k.dtype)
+    y0 = m(xq, xk[:, :1], xv[:, :1], decode=True)  # fixes the state's shape
+    c0 = m.last_certificate.get_value()
+    gd, st = nnx.split(m)
+
+    def step(st, kv):
+      mm = nnx.merge(gd, st)
+      y = mm(xq, kv[0], kv[1], decode=True)
+      c = mm.last_certificate.get_value()
+      return nnx.split(mm)[1], (y, c)
+
+    steps = (
+      jnp.moveaxis(xk[:, 1:, None], 1, 0),
+      jnp.moveaxis(xv[:, 1:, None], 1, 0),
+    )
+    st, (ys, cs) = jax.lax.scan(step, st, steps)
+    ys = jnp.concatenate([y0[None], ys])  # [n, bt, 1, h * e]
+    cs = jax.tree.map(lambda a, z: jnp.concatenate([a[None], z]), c0, cs)
+    last = jnp.clip(length - 1, 0, n - 1)  # [bt]
+    rows = jnp.arange(b * t)
+    y = ys[last, rows]
+    cert = jax.tree.map(lambda c: c[last, rows], cs)
+    m = nnx.merge(gd, st)
+    none = (jnp.arange(n + 1) < length[:, None])[:, None, None, :]
+    y_e = m(xq, xk[:, :1], xv[:, :1], mask=none, decode=True)
+    c_e = m.last_certificate.get_value()
+    empty = length == 0
+
+    def pick(a, z):
+      return jnp.where(jnp.reshape(empty, (-1,) + (1,) * (a.ndim - 1)), z, a)
+
+    return _flat_rows(q, pick(y, y_e), jax.tree.map(pick, cert, c_e))
+
+  def fn(q, k, v, mask, bias):
+    del bias
+    return apply(state, q, k, v, mask)
+
+  return fn
+
+
 _PALLAS_PREFILL = capabilities(
   "policy=Dense", "policy=Certified", "search=exact", "max_topk"
 )
@@ -352,6 +594,9 @@ _PALLAS_DECODE = capabilities(
 # low-rank key bound by name (topk_attention docstring).
 _XLA_PREFILL = ALL - {"bound=lowrank", "search=mc"}
 _SHARDED = ALL - {"search=delta", "search=mc", "bound=box", "bound=lowrank"}
+# The layer's decode loop: decode_attention steps (BOX) and a masked step
+# (the XLA prefill: no MC-Search).
+_FLAX_DECODE = BOX - {"search=mc"}
 
 # THE list: a variant joins by adding one line.
 VARIANTS = (
@@ -403,6 +648,49 @@ VARIANTS = (
     effective=_layer_effective,
     head_dim=fam.E,
     supports=_XLA_PREFILL,
+  ),
+  Variant(
+    "index",
+    _index_decode(appends=True),
+    kind="decode",
+    bias=False,
+    grad=False,
+    supports_fn=_index_supports,
+    ci_policies=("fixed_k", "cert_delta"),
+    low_precision=("bfloat16",),
+  ),
+  Variant(
+    "given_set",
+    _given_set,
+    kind="decode",
+    bias=False,
+    grad=False,
+    supports=_CERTIFY | _GROW,
+    ci_policies=("fixed_k", "cert_delta"),
+    low_precision=("bfloat16",),
+  ),
+  Variant(
+    "cache_appends",
+    _cache_appends,
+    kind="decode",
+    bias=False,
+    grad=False,
+    supports=BOX,
+    ci_policies=("cert_delta",),
+    low_precision=("bfloat16",),
+  ),
+  Variant(
+    "flax_decode",
+    _flax_decode,
+    kind="decode",
+    bias=False,
+    grad=False,
+    effective=_layer_effective,
+    head_dim=fam.E,
+    supports=_FLAX_DECODE,
+    ci_policies=("cert_delta",),
+    low_precision=("bfloat16",),
+    eager=False,
   ),
 )
 

@@ -255,6 +255,41 @@ class ErrorTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "init_cache"):
       layer(jnp.ones((3, 1, 6)), decode=True)
 
+  def test_decode_past_max_length(self):
+    # A step past init_cache's max_length dropped its key and value and
+    # attended over stale keys without a word.
+    layer = self._make()
+    layer.init_cache((3, 2, 6))
+    x = jnp.ones((3, 1, 6))
+    layer(x, decode=True)
+    layer(x, decode=True)
+    with self.assertRaisesRegex(ValueError, "max_length=2"):
+      layer(x, decode=True)
+    cache = layer.kv_cache.get_value()
+    np.testing.assert_array_equal(cache.length, 2)  # nothing written
+
+  def test_decode_past_max_length_under_jit(self):
+    # The cache length is traced: the step writes nothing and its rows are
+    # invalid (valid False, NaN fields, zero output).
+    layer = self._make()
+    layer.init_cache((3, 2, 6))
+
+    @nnx.jit
+    def step(m, x):
+      return m(x, decode=True), m.last_certificate.get_value()
+
+    x = jnp.ones((3, 1, 6))
+    for _ in range(2):
+      _, cert = step(layer, x)
+      np.testing.assert_array_equal(cert.valid, True)
+    y, cert = step(layer, 2 * x)
+    np.testing.assert_array_equal(cert.valid, False)
+    self.assertTrue(np.all(np.isnan(cert.tv_bound)))
+    np.testing.assert_array_equal(cert.k_kept, 0)
+    np.testing.assert_array_equal(layer.kv_cache.get_value().length, 2)
+    # The output projection of a zero attention output (no bias here).
+    np.testing.assert_array_equal(y, layer.out(jnp.zeros((3, 1, 2, 3))))
+
   def test_decode_more_than_one_token(self):
     layer = self._make()
     layer.init_cache((3, 5, 6))

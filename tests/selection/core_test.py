@@ -130,7 +130,12 @@ class NormsTest(parameterized.TestCase):
     got = np.asarray(jax.jit(core.value_norms)(v))
     self.assertGreaterEqual(got[0, 0], np.sqrt(5))
     self.assertTrue(np.isnan(got[0, 1]))
-    self.assertEqual(got[0, 2], np.inf)  # finite values, norm overflows
+    # A finite value whose norm (4.2e38) overflows: stored compressed,
+    # finite, and read back (x tv) at least as large as the norm.
+    self.assertTrue(np.isfinite(got[0, 2]))
+    back = float(_mul_norm_up(np.float32(1e-3), got[0, 2]))
+    self.assertGreaterEqual(back, 1e-3 * np.sqrt(2) * 3e38)
+    self.assertLess(back, 1e-3 * np.sqrt(2) * 3e38 * 1.001)
 
   @parameterized.named_parameters(*[(k, v) for k, v in DTYPES.items()])
   def test_flushed_matches_numpy(self, dtype):
@@ -382,7 +387,9 @@ class OutputErrorTest(parameterized.TestCase):
     ),
   )
   def test_output_error_bound_sound(self, tv, h, t):
-    got = float(core.output_error_bound(np.float32(tv), h, t))
+    # Norms as stored by value_norms (of the one-component values [h], [t]).
+    hs, ts = _value_norms(np.array([[h], [t]], np.float32))
+    got = float(core.output_error_bound(np.float32(tv), hs, ts))
     want = LD(np.float32(tv)) * (LD(np.float32(h)) + LD(np.float32(t)))
     self.assertGreaterEqual(LD(got), want)
     if want > 0:
@@ -530,6 +537,132 @@ class MarginTest(absltest.TestCase):
     self.assertEqual(
       float(core.search_log_margin(3, np.inf, jnp.float32)), np.inf
     )
+
+
+class FloatSafeProductTest(parameterized.TestCase):
+  """``mul_up``: products of norms and scales neither flush nor overflow."""
+
+  def test_mul_up_sound_and_tight(self):
+    @given(x=vectors((3, 4), np.float32))
+    def check(x):
+      x = np.abs(x)
+      got = np.asarray(_mul_up(x[0], x[1], x[2]), LD)
+      xs = np.where(np.abs(_ld(x)) < LD(F32.tiny), LD(F32.tiny), _ld(x))
+      xs = np.where(_ld(x) == 0, LD(0), xs)  # subnormals read as tiny
+      want = xs[0] * xs[1] * xs[2]
+      for i in range(4):
+        if want[i] == 0:
+          self.assertEqual(got[i], 0)
+        elif want[i] > LD(F32.max):
+          self.assertEqual(got[i], np.inf)
+        else:
+          self.assertGreaterEqual(got[i], want[i], (x[:, i], got[i]))
+          self.assertGreaterEqual(got[i], LD(F32.tiny))
+          lim = max(want[i] * LD(1 + 8 * F32.eps), LD(F32.tiny))
+          self.assertLessEqual(got[i], lim, (x[:, i], got[i], want[i]))
+
+    check()
+
+  def test_mul_up_products_that_flush_or_overflow_midway(self):
+    # (scale ||q||) is subnormal, the product with r is ~1.3: the index's
+    # ball term of the second audit; and ||q|| ||k|| overflows while
+    # ||q|| ||k|| scale does not.
+    got = float(_mul_up(np.float32(0.35), np.float32(1.5e-38), 2.5e38))
+    self.assertGreaterEqual(got, 0.35 * 1.5e-38 * 2.5e38)
+    self.assertLess(got, 1.32)
+    got = float(_mul_up(np.float32(1e30), np.float32(1e30), 1e-30))
+    self.assertGreaterEqual(got, 1e30)
+    self.assertLess(got, 1.0001e30)
+    self.assertEqual(float(_mul_up(np.float32(1e-30), 1e-30)), F32.tiny)
+    self.assertEqual(float(_mul_up(np.float32(0.0), 1e30)), 0.0)
+    self.assertEqual(float(_mul_up(np.float32(np.inf), 2.0)), np.inf)
+    self.assertTrue(np.isnan(_mul_up(np.float32(np.inf), 0.0)))
+    self.assertTrue(np.isnan(_mul_up(np.float32(np.nan), 1.0)))
+
+  def test_logit_error_keeps_tiny_query_times_huge_key(self):
+    # ||q|| = 1.5e-38 (normal) against ||k|| = 2.5e38 with q flushed: the
+    # subnormal-input term F = scale sqrt(d) tiny ||k|| is ~1e-38 * 1e38.
+    delta = float(
+      core.logit_error_bound(
+        q_norm=np.float32(1.5e-38),
+        k_norm=np.float32(2.5e38),
+        head_dim=4,
+        scale=0.5,
+        q_flushed=True,
+      )
+    )
+    want = 0.5 * 2 * F32.tiny * 2.5e38  # scale sqrt(d) tiny ||k||
+    self.assertGreaterEqual(delta, want)
+    self.assertLess(delta, want * 1.01)  # F itself, finite
+
+  def test_compressed_value_norms_sound_and_monotone(self):
+    # Norms above 2^126 are stored compressed so that a finite value never
+    # gets an infinite norm (output_error_bound was +inf for values near
+    # the largest float whatever tv was). Stored norms must keep the order
+    # of the true ones (maxima are taken on them) and read back above them.
+    rng = np.random.default_rng(0)
+    mags = 10.0 ** rng.uniform(-45, 38.53, size=(400, 1))
+    v = np.clip(rng.normal(size=(400, 6)) * mags, -F32.max, F32.max)
+    v = v.astype(np.float32)
+    got = np.asarray(jax.jit(core.value_norms)(v), np.float64)
+    want = np.sqrt(np.sum(_ld(v) ** 2, -1))
+    self.assertTrue(np.all(np.isfinite(got)))
+    # Monotone (up to rounding): the order of clearly different norms is
+    # kept, so a maximum of stored norms bounds every norm it covers.
+    order = np.argsort(want)
+    w, g = want[order], got[order]
+    # (above 1e-30: vectors with subnormal components get a floor added)
+    apart = (w[1:] > w[:-1] * LD(1.001)) & (w[:-1] > LD(1e-30))
+    self.assertTrue(np.all((g[1:] >= g[:-1])[apart]))
+    for t in (1.0, 0.3, 1e-6, 1e-30):
+      back = np.asarray(_mul_norm_up(np.float32(t), got.astype(np.float32)))
+      back = back.astype(LD)
+      exact = want * LD(t)
+      ok = (back >= exact) | (exact < LD(F32.tiny)) & (back >= LD(F32.tiny))
+      self.assertTrue(np.all(ok | (exact == 0)), (t, back[~ok], exact[~ok]))
+      fin = exact < LD(F32.max) * LD(0.999)
+      self.assertTrue(np.all(np.isfinite(back[fin])), t)
+
+  def test_output_error_bound_finite_for_values_near_max(self):
+    # Values [3e38, -3e38, 3e38]: norm 5.2e38 > the largest float.
+    vn = core.value_norms(np.full((1, 3), 3e38, np.float32))
+    got = float(core.output_error_bound(np.float32(0.01), vn[0], vn[0]))
+    want = 0.01 * 2 * np.sqrt(3) * 3e38
+    self.assertGreaterEqual(got, want)
+    self.assertLess(got, want * 1.001)
+    got = float(core.logit_output_error(np.float32(1e-6), vn[0]))
+    self.assertTrue(np.isfinite(got))
+    self.assertGreaterEqual(got, 2 * (1 - np.exp(-2e-6)) * np.sqrt(3) * 3e38)
+
+  def test_scale_rule(self):
+    self.assertTrue(core.scale_ok(1e-38))  # a float: checked at the boundary
+    got = jax.jit(core.scale_ok)(
+      jnp.array([1.1e-38, 1.2e-38, 0.0, -1.0, np.inf, np.nan, 0.5])
+    )
+    np.testing.assert_array_equal(
+      got, [False, True, False, False, False, False, True]
+    )
+    self.assertEqual(core.MIN_SCALE, float(F32.tiny))
+
+  def test_mark_invalid_follows_the_rule(self):
+    s = np.array([[2.0, 0.0, -1.0], [1.0, 1.0, 0.0]], np.float32)
+    keep = np.array([[True, False, False]] * 2)
+    cert = core.certificate_from_logits(
+      s, keep, np.ones_like(keep), value_norms=np.ones(3, np.float32)
+    )
+    got = core.mark_invalid(cert, np.array([False, True]))
+    np.testing.assert_array_equal(got.valid, [True, False])
+    self.assertEqual(float(got.tv_bound[0]), float(cert.tv_bound[0]))
+    self.assertTrue(np.isnan(got.tv_bound[1]))
+    self.assertTrue(np.isnan(got.log_tv_bound[1]))
+    self.assertTrue(np.isnan(got.output_error_bound[1]))
+    np.testing.assert_array_equal(got.k_kept, [1, 0])
+    np.testing.assert_array_equal(got.keys_scored, cert.keys_scored)
+
+
+_mul_up = jax.jit(core.mul_up)
+_mul_norm_up = jax.jit(core.mul_norm_up)
+_value_norms = jax.jit(core.value_norms)
 
 
 if __name__ == "__main__":

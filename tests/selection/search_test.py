@@ -201,6 +201,36 @@ class AdversarialSearchTest(parameterized.TestCase):
     self.assertGreaterEqual(np.longdouble(float(cert.tv_bound[0])), tau[0])
 
   @parameterized.named_parameters(*_SEARCHES)
+  def test_keys_whose_squares_underflow(self, kw):
+    # Second audit: keys +-1e-19 (squares underflow) got block radius 0, so
+    # the ball bound read 0 for blocks whose keys reach logit 1.8, and
+    # blocks of mass were skipped: tv 0.536 against tau 0.782.
+    a = 1e-19
+    q = np.full((2, 4), 0.9e19, np.float32)
+    k = np.zeros((2, 32, 4), np.float32)
+    k[:, :4] = a
+    for b in range(1, 8):
+      k[:, 4 * b : 4 * b + 2] = a
+      k[:, 4 * b + 2 : 4 * b + 4] = -a
+    policy = jaxtopk.Certified(0.6, **kw)
+    sel = jaxtopk.certified_search(q, k, policy=policy, key=jax.random.key(2))
+    tau = _tau_ld(q, k, np.asarray(sel.keep), np.ones((2, 32), bool), 0.5)
+    for r in range(2):
+      self.assertTrue(bool(sel.certificate.valid[r]))
+      self.assertGreaterEqual(
+        np.longdouble(float(sel.certificate.tv_bound[r])), tau[r]
+      )
+
+  def test_subnormal_scale_refused(self):
+    with self.assertRaisesRegex(ValueError, "scale"):
+      jaxtopk.certified_search(
+        np.ones((1, 4), np.float32),
+        np.ones((1, 8, 4), np.float32),
+        policy=jaxtopk.Certified(0.1, "delta", block_size=4),
+        scale=1.1e-38,
+      )
+
+  @parameterized.named_parameters(*_SEARCHES)
   def test_max_topk_honoured(self, kw):
     # Issue 13: Certified(0.01, max_topk=4) kept 4 keys on the exact path
     # but 253 through Delta-Search; every search now caps.

@@ -135,6 +135,41 @@ class SoundnessTest(parameterized.TestCase):
       self.assertTrue(np.all(u[np.asarray(count) == 0] == -np.inf))
 
 
+class BallMagnitudeTest(parameterized.TestCase):
+  """Ball summaries and bounds at magnitudes where squares under/overflow."""
+
+  def _check(self, q, k, scale):
+    ball = theory.ball_summary(k, block_size=4)
+    kk = truth.as64(k).reshape(-1, 4, k.shape[-1])
+    cen = truth.as64(ball.centre)
+    dist = np.linalg.norm(
+      (kk - cen[:, None]).astype(np.longdouble), axis=-1
+    ).max(-1)
+    r = np.asarray(ball.radius, np.longdouble)
+    self.assertTrue(np.all(r >= dist), (r, dist))
+    u = np.asarray(theory.ball_upper_bound(q, ball, scale=scale))
+    s = (kk.astype(np.longdouble) @ truth.as64(q).astype(np.longdouble)) * scale
+    self.assertTrue(np.all(u.astype(np.longdouble) >= s.max(-1)), (u, s))
+    return u, s.max(-1)
+
+  def test_keys_whose_squares_underflow(self):
+    # |k_c| = 1e-19: k_c^2 = 1e-38 reads 0 when the norm is not scaled,
+    # so every radius was 0 and certified_search skipped blocks of mass.
+    k = np.zeros((8, 4), np.float32)
+    k[0::2, 0], k[1::2, 0] = 1e-19, -1e-19
+    q = np.full(4, 0.9e19, np.float32)
+    u, smax = self._check(q, k, 0.5)
+    self.assertTrue(np.all(u < 1.0))  # the ball bound 0.9, not trivial
+
+  def test_tiny_query_and_wide_ball(self):
+    # ||q|| = 1.5e-38: scale ||q|| is subnormal, the ball term is ~1.9.
+    k = np.zeros((4, 4), np.float32)
+    k[:, 0] = [2.5e38, -2.5e38, 1e38, -1e38]
+    q = np.array([1.5e-38, 0, 0, 0], np.float32)
+    u, smax = self._check(q, k, 0.5)
+    self.assertLess(float(u[0]), 4.0)
+
+
 class BlockwiseTest(parameterized.TestCase):
   def test_all_scored_is_tight(self):
     s = strategies.normal((3, 5, 11), seed=5, scale=2.0)
