@@ -79,7 +79,7 @@ class KVCache:
   def block_count(self) -> jax.Array:
     """``[batch, 1, n_blocks]`` int32 filled positions per block."""
     start = jnp.arange(self.num_blocks, dtype=jnp.int32) * self.block_size
-    cnt = jnp.clip(self.length[:, None] - start, 0, self.block_size)
+    cnt = jnp.clip(self.length[:, None] - start[None, :], 0, self.block_size)
     return cnt[:, None, :].astype(jnp.int32)
 
   def valid(self) -> jax.Array:
@@ -197,7 +197,7 @@ def kv_cache_update(cache: KVCache, key, value, *, num_steps=None) -> KVCache:
     )
   steps = key.shape[1]
   t = jnp.arange(steps, dtype=jnp.int32)
-  pos = cache.length[:, None] + t  # [b, st]
+  pos = cache.length[:, None] + t[None, :]  # [b, st]
   if num_steps is None:
     num_steps = jnp.full((b,), steps, jnp.int32)
   num_steps = jnp.clip(jnp.asarray(num_steps, jnp.int32), 0, steps)

@@ -31,6 +31,8 @@ Names:
 - ``check_array(x, name)``: a real floating array, or TypeError.
 - ``check_mask(mask, shape)``, ``check_bias(bias, shape)``.
 - ``check_is_causal(is_causal)``: a Python bool.
+- ``check_seq_lengths(lengths, name, dims)``: None or int ``[batch]``.
+- ``check_window(local_window_size)``: None or ``(left, right)`` ints.
 - ``check_scale(scale, head_dim)``: default, static float or dynamic array.
 - ``scale_ok(scale)``: bool, for the validity rule of a dynamic scale.
 - ``check_policy(policy, backend, supports)``: a Policy the backend honours.
@@ -217,6 +219,75 @@ def check_is_causal(is_causal) -> bool:
   if isinstance(is_causal, bool | np.bool_):
     return bool(is_causal)
   raise TypeError(f"is_causal={is_causal!r} must be a bool (True or False)")
+
+
+def check_seq_lengths(
+  lengths, name: str, dims: AttentionDims, unbatched: bool = False
+) -> jax.Array | None:
+  """``query_seq_lengths`` / ``key_value_seq_lengths``: int ``[batch]``.
+
+  As ``jax.nn.dot_product_attention``; any integer dtype is accepted (jax.nn
+  wants int32) and an unbatched call also takes a scalar. The values are not
+  checked (they may be traced): a length past the sequence changes nothing,
+  a length <= 0 hides every position.
+
+  Returns:
+    None, or the lengths as int32 ``[batch]``.
+
+  Raises:
+    TypeError: a dtype that is not an integer.
+    ValueError: a shape other than ``[batch]``.
+  """
+  if lengths is None:
+    return None
+  lengths = jnp.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer) or lengths.dtype == bool:
+    raise TypeError(
+      f"{name} must be integer sequence lengths; got {name}.dtype="
+      f"{lengths.dtype}"
+    )
+  if unbatched and lengths.ndim == 0:
+    lengths = lengths.reshape(1)
+  if lengths.shape != (dims.batch,):
+    raise ValueError(
+      f"{name} must have shape [batch] = ({dims.batch},); got {name}.shape="
+      f"{lengths.shape}"
+    )
+  return lengths.astype(jnp.int32)
+
+
+def check_window(local_window_size) -> tuple[int, int] | None:
+  """``local_window_size``: None, an int, or ``(left, right)`` ints >= 0.
+
+  Query i sees keys i - left .. i + right (``jax.nn.dot_product_attention``
+  semantics; one int is the symmetric window).
+
+  Raises:
+    TypeError: not an int or a pair of ints (bools refused).
+    ValueError: a negative size.
+  """
+  if local_window_size is None:
+    return None
+  w = local_window_size
+  is_int = lambda x: (
+    isinstance(x, int | np.integer)
+    and not isinstance(  # noqa: E731
+      x, bool | np.bool_
+    )
+  )
+  if is_int(w):
+    w = (w, w)
+  if not (isinstance(w, tuple | list) and len(w) == 2 and all(map(is_int, w))):
+    raise TypeError(
+      f"local_window_size={local_window_size!r} must be an int or a pair of"
+      " ints (left, right)"
+    )
+  left, right = int(w[0]), int(w[1])
+  if left < 0 or right < 0:
+    raise ValueError(
+      f"local_window_size={local_window_size!r}: sizes must be >= 0"
+    )
+  return left, right
 
 
 def check_scale(scale, head_dim: int):
