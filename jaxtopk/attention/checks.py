@@ -154,7 +154,8 @@ def check_qkv(query, key, value) -> tuple[jax.Array, ...]:
   h_kv = key.shape[2]
   if h_kv == 0 or h == 0 or h % h_kv:
     raise ValueError(
-      f"num_heads={h} must be a positive multiple of num_kv_heads={h_kv} (GQA)"
+      f"num_heads={h} must be a multiple of num_kv_heads={h_kv} (GQA), both"
+      " >= 1"
     )
   dims = AttentionDims(
     batch=b,
