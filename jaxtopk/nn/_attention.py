@@ -307,6 +307,8 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
   # Flax's decode cache names, read from the KVCache (Flax's layout
   # ``[*batch, max_length, kv_heads, head_dim]``). Assigning them is refused
   # (nnx.MultiHeadAttention's constructor sets them to None: accepted).
+  # They return arrays, not nnx.Cache variables (hence the type: ignore): a
+  # write into a view must fail, not be lost.
 
   def _cache_view(self, name):
     if self.kv_cache is None:
@@ -323,7 +325,7 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
         "init_cache and decode calls"
       )
 
-  @property
+  @property  # type: ignore[override]
   def cached_key(self) -> jax.Array | None:
     """The cached keys ``[*batch, max_length, num_kv_heads, head_dim]``."""
     return self._cache_view("keys")
@@ -332,7 +334,7 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
   def cached_key(self, value):
     self._refuse_set("cached_key", value)
 
-  @property
+  @property  # type: ignore[override]
   def cached_value(self) -> jax.Array | None:
     """The cached values ``[*batch, max_length, num_kv_heads, head_dim]``."""
     return self._cache_view("values")
@@ -341,7 +343,7 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
   def cached_value(self, value):
     self._refuse_set("cached_value", value)
 
-  @property
+  @property  # type: ignore[override]
   def cache_index(self) -> jax.Array | None:
     """int32 scalar: positions filled (every sequence advances together)."""
     if self.kv_cache is None:
