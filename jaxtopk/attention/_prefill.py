@@ -12,6 +12,13 @@ Layout: inputs in the jax.nn layout are transposed ONCE to head-major
 ``[batch, kv_heads, kv_len, head_dim]`` keys and values (DESIGN: layout
 decides speed on XLA CPU).
 
+A row's real keys: its mask, intersected with one interval of key positions
+``[lo, hi)`` (``_key_range``) that kv_len, ``is_causal``, the local window
+and the sequence lengths cut (a key outside it is a masked key, in the kept
+set, the block summaries and the certificate alike; a row past its query
+length has none). The interval is computed per tile from positions, never as
+a ``[q_len, kv_len]`` mask.
+
 Two engines, one per kind of policy:
 
 - Scan-all (``Dense``, ``FixedK``, ``Ratio``, ``PowerLaw``,

@@ -90,7 +90,8 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
      ``last_certificate``, an ``nnx.Intermediate``: filters must then cover
      it (``nnx.split(layer, nnx.Param, ...)``, or ``nnx.pop(layer,
      nnx.Intermediate)`` first); a layer not yet called has exactly
-     nnx.MultiHeadAttention's state.
+     nnx.MultiHeadAttention's state, except that a sampling policy
+     (``Certified(search='mc')``) adds its own rng stream ``search_rngs``.
   4. The decode cache is a ``jaxtopk.KVCache`` in ``kv_cache`` (one
      ``nnx.Cache``); ``cached_key``, ``cached_value`` and ``cache_index``
      are read-only views of it in Flax's layout.
