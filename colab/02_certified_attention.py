@@ -244,16 +244,15 @@ plt.show()
 print(cert.summary())  # MC-Search: failure_prob = delta
 
 # %%
-import pathlib
-
 from flax import nnx
 
 from jaxtopk import models
 
 
-def licence_passages(num, num_words, start=0):
-  """``num`` passages of real English from word ``start`` of the GPL-3."""
-  words = pathlib.Path("/usr/share/common-licenses/GPL-3").read_text().split()
+def text_passages(num, num_words, start=0):
+  """``num`` passages of real English from word ``start`` of the shipped
+  public-domain book (``models.public_domain_text``)."""
+  words = models.public_domain_text().split()
   return [
     " ".join(words[start + i * num_words : start + (i + 1) * num_words])
     for i in range(num)
@@ -263,7 +262,7 @@ def licence_passages(num, num_words, start=0):
 encoder, tokenizer = models.load_minilm()
 batch = models.minilm_tokenize(
   tokenizer,
-  licence_passages(*((2, 40) if SMALL else (8, 200))),
+  text_passages(*((2, 40) if SMALL else (8, 200))),
   max_len=64 if SMALL else 256,
 )
 _, trace = nnx.jit(lambda m, b: m(**b, return_logits=True))(encoder, batch)
@@ -395,7 +394,7 @@ for impl in ("pallas", "xla"):
 # all six layers, against the dense embeddings, as eps grows.
 
 # %%
-texts = licence_passages(*((4, 30) if SMALL else (16, 120)), start=2000)
+texts = text_passages(*((4, 30) if SMALL else (16, 120)), start=2000)
 dense_model, tokenizer = models.load_minilm()
 batch = models.minilm_tokenize(tokenizer, texts)
 reference = nnx.jit(models.sentence_embedding)(dense_model, **batch)  # [B, D]

@@ -121,7 +121,7 @@ def logits64(rows: Rows) -> np.ndarray:
 def minilm_arrays(num_passages: int, max_len: int) -> dict:
   """``_attention_rows.minilm_attention_rows`` on real text passages (cached).
 
-  Passages are ``max_len`` words of the Debian licence texts
+  Passages are ``max_len`` words of the public-domain text jaxtopk ships
   (``_real_text.real_text_passages``, seed 0), so every one fills the
   ``max_len`` tokens after WordPiece (at least one token per word).
   """

@@ -57,7 +57,7 @@ class Cache:
 
 
 def minilm_cache(num_passages, max_len, heads, query_stride) -> Cache:
-  """MiniLM over ``num_passages`` licence passages, concatenated.
+  """MiniLM over ``num_passages`` real-text passages, concatenated.
 
   Args:
     num_passages: passages (200 words each, truncated at ``max_len``
@@ -95,7 +95,7 @@ def minilm_cache(num_passages, max_len, heads, query_stride) -> Cache:
     queries=np.ascontiguousarray(q, np.float32),
     scale=1 / np.sqrt(k.shape[-1]),
     note=(
-      f"all-MiniLM-L6-v2 over {num_passages} licence passages (200 words,"
+      f"all-MiniLM-L6-v2 over {num_passages} real-text passages (200 words,"
       f" <= {max_len} tokens each, encoded separately) concatenated into"
       f" {k.shape[1]} keys; queries: every {query_stride}th token of the"
       " last passage"

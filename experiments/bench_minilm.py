@@ -1,8 +1,8 @@
 """Benchmark: the real all-MiniLM-L6-v2 encoder in jaxtopk.models.
 
-Times, on real text (Debian licence passages), the three things other
-experiments pay for: loading the weights (``load_minilm``), the jitted dense
-forward pass to sentence embeddings at ``[batch, max_len]`` tokens, and
+Times, on real text (the public-domain book jaxtopk ships), the three things
+other experiments pay for: loading the weights (``load_minilm``), the jitted
+dense forward pass to sentence embeddings at ``[batch, max_len]`` tokens, and
 ``minilm_attention_rows`` (forward with every layer's logits, q, k, v, copied
 to host numpy). Each figure is the median and min of ``--repeats`` runs after
 one warm-up (compile) run; the machine is shared, so the min is the cleaner

@@ -9,7 +9,7 @@ faster at n >= 65,536. Both are jitted, timed round-robin; min and median.
 Part 2, ``delta``: Delta-Search (``jaxtopk.certified_search``, THEORY 6.2)
 keys_scored / n at eps = 0.01, 0.05, 0.1,
 - on real attention rows: all-MiniLM-L6-v2 (6 layers x 12 heads) on passages
-  of the Debian licence texts (``experiments._real_text``), every
+  of the public-domain text jaxtopk ships (``experiments._real_text``), every
   ``--query_stride``-th real query of every layer, head and text;
 - on synthetic rows: 2,048 keys drifting along the sequence (random walks
   of step 0.3, flat rows, and 1.0, peaked rows with tight blocks), Gaussian

@@ -26,7 +26,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Part 'delta': Delta-Search keys_scored / n.
   c.delta_epss = (0.01, 0.05, 0.1)  # budgets of part 'delta'
   c.minilm = True  # real MiniLM rows (else synthetic rows only)
-  c.texts = 2  # MiniLM passages (Debian licence texts)
+  c.texts = 2  # MiniLM passages (real text)
   c.query_stride = 7  # every k-th real query of each layer, head, text
   c.block_size = 16  # Delta-Search block size on MiniLM rows
   c.synthetic_rows = 256  # synthetic rows per walk

@@ -81,7 +81,7 @@ class KVCache:
   def block_count(self) -> jax.Array:
     """``[batch, 1, n_blocks]`` int32 filled positions per block."""
     start = jnp.arange(self.num_blocks, dtype=jnp.int32) * self.block_size
-    cnt = jnp.clip(self.length[:, None] - start, 0, self.block_size)
+    cnt = jnp.clip(self.length[:, None] - start[None, :], 0, self.block_size)
     return cnt[:, None, :].astype(jnp.int32)
 
   def valid(self) -> jax.Array:
@@ -215,7 +215,7 @@ def _update(cache, key, value, num_steps):
   b = cache.keys.shape[0]
   steps = key.shape[1]
   t = jnp.arange(steps, dtype=jnp.int32)
-  pos = cache.length[:, None] + t  # [b, st]
+  pos = cache.length[:, None] + t[None, :]  # [b, st]
   # Padded steps go out of range and are dropped by every scatter below.
   pos = jnp.where(t[None, :] < num_steps[:, None], pos, cache.max_len)
   bi = jnp.arange(b)[:, None]  # [b, 1]

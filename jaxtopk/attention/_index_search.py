@@ -589,8 +589,10 @@ def _full_decode(query, index, dyn_scale=None, *, policy, scale):
   cert = sel.certificate
   head = core.max_norm(norms, keep)
   ok = cert.valid & jnp.all(jnp.isfinite(out), -1) & scale_ok
+  # tv_bound 0 (log_tv_bound the finite stand-in for log 0) is -inf again.
+  log_tv = jnp.where(cert.tv_bound == 0, -jnp.inf, cert.log_tv_bound)
   cert = core.finish_certificate(
-    cert.log_tv_bound,
+    log_tv,
     ok,
     k_kept=cert.k_kept,
     keys_scored=jnp.sum(valid, -1, dtype=jnp.int32),

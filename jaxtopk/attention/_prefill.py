@@ -12,6 +12,13 @@ Layout: inputs in the jax.nn layout are transposed ONCE to head-major
 ``[batch, kv_heads, kv_len, head_dim]`` keys and values (DESIGN: layout
 decides speed on XLA CPU).
 
+A row's real keys: its mask, intersected with one interval of key positions
+``[lo, hi)`` (``_key_range``) that kv_len, ``is_causal``, the local window
+and the sequence lengths cut (a key outside it is a masked key, in the kept
+set, the block summaries and the certificate alike; a row past its query
+length has none). The interval is computed per tile from positions, never as
+a ``[q_len, kv_len]`` mask.
+
 Two engines, one per kind of policy:
 
 - Scan-all (``Dense``, ``FixedK``, ``Ratio``, ``PowerLaw``,
@@ -241,6 +248,7 @@ class _Plan:
   bs: int  # key block size (summaries; search blocks)
   sp: int  # padded kv_len (multiple of bs)
   causal: bool
+  window: tuple[int, int] | None  # (left, right) keys around the query
   kind: str
 
   @property
@@ -252,8 +260,11 @@ class _Plan:
     return self.sp // self.bs
 
 
-def _prepare(query, key, value, mask, bias, plan, values_bound):
-  """Head-major, padded arrays and per-key / per-block summaries."""
+def _prepare(query, key, value, mask, bias, lens, plan, values_bound):
+  """Head-major, padded arrays and per-key / per-block summaries.
+
+  ``lens`` is ``(q_lens, kv_lens)``, each None or ``[batch]`` int.
+  """
   p = plan
   dt = core.compute_dtype(jnp.result_type(query.dtype, key.dtype))
   # Flush flags read the inputs' own bits (before any cast).
@@ -296,6 +307,9 @@ def _prepare(query, key, value, mask, bias, plan, values_bound):
     key_real = jnp.arange(p.sp) < p.s  # padding keys are not real
     box = theory.box_summary(sg(arr["k"]), block_size=bs, mask=key_real)
     arr["box"] = box
+  arr["q_lens"], arr["kv_lens"] = (
+    None if x is None else jnp.asarray(x).astype(jnp.int32) for x in lens
+  )
   arr["mask"] = _to5(mask, p.b, p.hk, p.g)
   arr["bias"] = _to5(bias, p.b, p.hk, p.g)
   for name, fill in (("mask", False), ("bias", 0.0)):
@@ -307,24 +321,58 @@ def _prepare(query, key, value, mask, bias, plan, values_bound):
   return arr, dt
 
 
-def _visible_blocks(p, qpos, nbl, mask_t):
+def _key_range(c, q0):
+  """The keys ``[lo, hi)`` each row of a tile may see by its structure.
+
+  kv_len, ``is_causal``, ``local_window_size`` and the sequence lengths all
+  cut a row's keys to one interval; a key outside it is not a real key (as
+  if masked). A row at or past its query length sees none.
+
+  Returns:
+    ``(lo, hi)``, int32 ``[b|1, 1, 1, bq]``.
+  """
+  p = c.p
+  qpos = q0 + jnp.arange(p.bq, dtype=jnp.int32)  # [bq]
+  lo = jnp.zeros((p.bq,), jnp.int32)
+  hi = jnp.full((p.bq,), p.s, jnp.int32)
+  if p.causal:
+    hi = jnp.minimum(hi, qpos + 1)
+  if p.window is not None:
+    left, right = p.window  # clipped to the sequence lengths: no overflow
+    lo = jnp.maximum(lo, qpos - left)
+    hi = jnp.minimum(hi, qpos + right + 1)
+  lo = lo.reshape(1, 1, 1, p.bq)
+  hi = hi.reshape(1, 1, 1, p.bq)
+  kv_lens, q_lens = c.arr["kv_lens"], c.arr["q_lens"]
+  if kv_lens is not None:
+    hi = jnp.minimum(hi, kv_lens.reshape(p.b, 1, 1, 1))
+  if q_lens is not None:
+    past = qpos.reshape(1, 1, 1, p.bq) >= q_lens.reshape(p.b, 1, 1, 1)
+    hi = jnp.where(past, lo, hi)
+  return lo, jnp.maximum(hi, lo)
+
+
+def _in_range(pos, lo, hi):
+  """``pos`` ``[..., n]`` (same rank as ``lo[..., None]``) in [lo, hi)."""
+  return (pos >= lo[..., None]) & (pos < hi[..., None])
+
+
+def _visible_blocks(p, rng, nbl, mask_t):
   """``[b|1, hk|1, g|1, bq, nbl]`` bool: the block holds a key the row sees.
 
   Also returns the count of such keys ``[..., bq, nbl]`` (int32).
   """
   bs = p.bs
-  start = jnp.arange(nbl) * bs  # [nbl]
-  hi = jnp.full(qpos.shape, p.s, jnp.int32)  # keys [0, hi) are visible
-  if p.causal:
-    hi = jnp.minimum(hi, qpos + 1)
-  cnt = jnp.clip(hi[:, None] - start[None, :], 0, bs)  # [bq, nbl]
-  cnt = cnt[None, None, None]
+  lo, hi = (x[..., None] for x in rng)  # [b|1, 1, 1, bq, 1]
+  start = (jnp.arange(nbl, dtype=jnp.int32) * bs).reshape(1, 1, 1, 1, nbl)
+  cnt = jnp.minimum(hi, start + bs) - jnp.maximum(lo, start)
+  cnt = jnp.clip(cnt, 0, bs)  # [b|1, 1, 1, bq, nbl]
   if mask_t is not None and mask_t.shape[4] != 1:
     # A full mask: count its True entries per block (one pass per tile).
     m = _pad_axis(mask_t[..., : nbl * bs], 4, nbl * bs, False)
     m = m.reshape(*m.shape[:4], nbl, bs)
-    cols = jnp.arange(nbl * bs).reshape(nbl, bs)
-    see = cols[None, :, :] < hi[:, None, None]  # [bq, nbl, bs]
+    cols = jnp.arange(nbl * bs, dtype=jnp.int32).reshape(1, 1, 1, 1, nbl, bs)
+    see = (cols >= lo[..., None]) & (cols < hi[..., None])
     cnt = jnp.sum(m & see, axis=-1, dtype=jnp.int32)
   elif mask_t is not None:  # broadcast over keys: all or nothing per row
     cnt = jnp.where(mask_t, cnt, 0)
@@ -384,11 +432,12 @@ class _Ctx:
 
 
 def _tile_rows(c, i):
-  """The tile's queries, their norms and flush flags, mask and bias rows."""
+  """The tile's key ranges, queries, their norms and flush flags, mask and
+  bias rows."""
   q0 = i * c.p.bq
   sl = lambda x: lax.dynamic_slice_in_dim(x, q0, c.p.bq, axis=3)  # noqa: E731
   return (
-    q0 + jnp.arange(c.p.bq),  # qpos [bq]
+    _key_range(c, q0),  # (lo, hi) [b|1, 1, 1, bq]
     sl(c.arr["q"]),  # [b, hk, g, bq, d]
     sl(c.arr["q_nrm"]),  # [b, hk, g, bq]
     sl(c.arr["q_fl"]),
@@ -405,12 +454,9 @@ def _pv(v):
 def _scan_all_tile(c, length, i):
   """One query tile against every key in [0, length) it can see."""
   p, arr = c.p, c.arr
-  qpos, q_t, qn_t, qfl_t, mask_t, bias_t = _tile_rows(c, i)
-  cols = jnp.arange(length)
-  real = (cols < p.s)[None, :] & jnp.ones((p.bq, 1), bool)  # [bq, L]
-  if p.causal:
-    real = real & (cols[None, :] <= qpos[:, None])
-  real = real[None, None, None]  # [1, 1, 1, bq, L]
+  rng, q_t, qn_t, qfl_t, mask_t, bias_t = _tile_rows(c, i)
+  cols = jnp.arange(length, dtype=jnp.int32).reshape(1, 1, 1, 1, length)
+  real = _in_range(cols, *rng)  # [b|1, 1, 1, bq, L]
   if mask_t is not None:
     real = real & (mask_t if mask_t.shape[4] == 1 else mask_t[..., :length])
   k = arr["k"][:, :, :length]  # [b, hk, L, d]
@@ -421,7 +467,7 @@ def _scan_all_tile(c, length, i):
     bias_cols = bias_t if bias_t.shape[4] == 1 else bias_t[..., :length]
     s = s + bias_cols
   real = jnp.broadcast_to(real, s.shape)
-  vis_blk, _ = _visible_blocks(p, qpos, _cdiv(length, p.bs), mask_t)
+  vis_blk, _ = _visible_blocks(p, rng, _cdiv(length, p.bs), mask_t)
   delta = _row_logit_error(
     p, arr, q_t, qn_t, qfl_t, vis_blk, _bias_abs(bias_cols, real), c.scale
   )  # [b, hk, g, bq]
@@ -457,9 +503,9 @@ def _search_tile(c, i):
   p, arr, dt, policy = c.p, c.arr, c.dt, c.policy
   bs, nb = p.bs, p.nb
   sg = jax.lax.stop_gradient
-  qpos, q_t, qn_t, qfl_t, mask_t, bias_t = _tile_rows(c, i)
+  rng, q_t, qn_t, qfl_t, mask_t, bias_t = _tile_rows(c, i)
   lead = (p.b, p.hk, p.g, p.bq)
-  vis_blk, cnt = _visible_blocks(p, qpos, nb, mask_t)
+  vis_blk, cnt = _visible_blocks(p, rng, nb, mask_t)
   vis_blk = jnp.broadcast_to(vis_blk, (*lead, nb))
   cnt = jnp.broadcast_to(cnt, (*lead, nb))
 
@@ -472,7 +518,7 @@ def _search_tile(c, i):
 
   bias_blk = bias_abs = None
   if bias_t is not None:
-    bias_blk, bias_abs = _bias_blocks(p, sg(bias_t), qpos, mask_t, vis_blk)
+    bias_blk, bias_abs = _bias_blocks(p, sg(bias_t), rng, mask_t, vis_blk)
   delta = _row_logit_error(p, arr, q_t, qn_t, qfl_t, vis_blk, bias_abs, c.scale)
 
   # Sound bound on each block's EXACT logits, per row: the box bound on the
@@ -511,7 +557,8 @@ def _search_tile(c, i):
 
   def key_pos(idx):
     """Key positions ``[b, hk, R bs]`` of blocks ``idx`` ``[b, hk, R]``."""
-    return (idx[..., None] * bs + jnp.arange(bs)).reshape(*idx.shape[:2], -1)
+    offs = jnp.arange(bs, dtype=idx.dtype).reshape(1, 1, 1, bs)
+    return (idx[..., None] * bs + offs).reshape(*idx.shape[:2], -1)
 
   def score(idx, ok):
     """Logits (with gradient) and real-key mask of blocks ``idx``."""
@@ -522,8 +569,7 @@ def _search_tile(c, i):
     s = s * c.scale  # [b, hk, g, bq, r bs]
     pos = key_pos(idx)
     real = (jnp.repeat(ok, bs, axis=-1) & (pos < p.s))[:, :, None, None, :]
-    if p.causal:
-      real = real & (pos[:, :, None, None, :] <= qpos[:, None])
+    real = real & _in_range(pos[:, :, None, None, :], *rng)
     if mask_t is not None:
       real = real & (mask_t if mask_t.shape[4] == 1 else at_cols(mask_t, pos))
     if bias_t is not None:
@@ -597,7 +643,9 @@ def _search_tile(c, i):
     ok = val > -jnp.inf
     s, real = score(idx, ok)
     lse_s = jnp.logaddexp(lse_s, lse_pos(sg(s), real))
-    hit = (idx[..., None] == jnp.arange(nb)) & ok[..., None]
+    hit = (idx[..., None] == jnp.arange(nb).reshape(1, 1, 1, nb)) & ok[
+      ..., None
+    ]
     scored_blk = scored_blk | jnp.any(hit, axis=-2)  # [b, hk, nb]
     chunks = [*chunks, (idx, s, real)]
     if j == len(sizes) - 1:
@@ -616,7 +664,7 @@ def _search_tile(c, i):
   return run(0, [], jnp.zeros((p.b, p.hk, nb), bool), lse0)
 
 
-def _bias_blocks(p, bias_t, qpos, mask_t, vis_blk):
+def _bias_blocks(p, bias_t, rng, mask_t, vis_blk):
   """Per row and key block: the largest bias (NaN propagates), and per row
   the largest finite |bias| over the keys it sees."""
   nb, bs = p.nb, p.bs
@@ -626,8 +674,9 @@ def _bias_blocks(p, bias_t, qpos, mask_t, vis_blk):
     return blk, jnp.where(fin, jnp.abs(bias_t[..., 0]), 0.0)
   bp = _pad_axis(bias_t[..., : p.s], 4, p.sp, -jnp.inf)
   bp = bp.reshape(*bp.shape[:4], nb, bs)  # [.., bq, nb, bs]
-  hi = jnp.minimum(qpos + 1, p.s) if p.causal else jnp.full_like(qpos, p.s)
-  see = jnp.arange(p.sp).reshape(nb, bs)[None] < hi[:, None, None]
+  cols = jnp.arange(p.sp, dtype=jnp.int32).reshape(1, 1, 1, 1, nb, bs)
+  lo, hi = (x[..., None, None] for x in rng)  # [b|1, 1, 1, bq, 1, 1]
+  see = (cols >= lo) & (cols < hi)  # [b|1, 1, 1, bq, nb, bs]
   if mask_t is not None:
     if mask_t.shape[4] == 1:
       see = see & mask_t[..., None]
@@ -660,8 +709,12 @@ def blockwise_attention(
   is_causal=False,
   scale,
   scale_ok=True,
+  q_lens=None,
+  kv_lens=None,
+  window=None,
   values_bound=True,
   block_sizes=None,
+  return_lse=False,
   return_keep=False,
 ):
   """Blockwise Top-k attention (see the module docstring); arguments checked.
@@ -677,15 +730,22 @@ def blockwise_attention(
     scale: logit scale, a Python float or a 0-d array (traced is fine).
     scale_ok: bool (or 0-d array): whether a traced scale is finite and >=
       ``core.MIN_SCALE``.
+    q_lens: None or ``[batch]`` int: query rows at or past it see no key.
+    kv_lens: None or ``[batch]`` int: keys at or past it are not real.
+    window: None or static ``(left, right)`` ints >= 0: query i sees keys
+      [i - left, i + right] only (``local_window_size``).
     values_bound: whether the certificate carries output_error_bound.
     block_sizes: ``BlockSizes`` (default ``BlockSizes.get_default()``).
+    return_lse: also return the log-sum-exp of the logits the output was
+      computed from (its kept keys), ``[batch, q_len, num_heads]`` in the
+      compute dtype; ``core.finite_log`` on a row that keeps no key.
     return_keep: also return the kept set ``[batch, num_heads, q_len,
       kv_len]`` (tests and analysis only: it is the size of the logits).
 
   Returns:
-    ``(output, certificate)`` or ``(output, certificate, keep)``: output
-    ``[batch, q_len, num_heads, head_dim_v]`` in query's dtype, Certificate
-    arrays ``[batch, q_len, num_heads]``.
+    ``(output, certificate, lse, keep)``: output ``[batch, q_len, num_heads,
+    head_dim_v]`` in query's dtype, Certificate arrays ``[batch, q_len,
+    num_heads]``; ``lse`` and ``keep`` None unless asked for.
   """
   bsz = block_sizes or BlockSizes.get_default()
   b, t, h, d = query.shape
@@ -693,6 +753,8 @@ def blockwise_attention(
   kind = kind_of(policy)
   bs = policy.block_size if kind == "search" else min(_SUMMARY_BLOCK, s)
   bq = min(bsz.block_q, t)
+  if window is not None:  # beyond the sequences a window changes nothing
+    window = (min(window[0], t), min(window[1], s))
   plan = _Plan(
     b=b,
     t=t,
@@ -707,9 +769,11 @@ def blockwise_attention(
     bs=bs,
     sp=_cdiv(s, bs) * bs,
     causal=bool(is_causal),
+    window=window,
     kind=kind,
   )
-  arr, dt = _prepare(query, key, value, mask, bias, plan, values_bound)
+  lens = (q_lens, kv_lens)
+  arr, dt = _prepare(query, key, value, mask, bias, lens, plan, values_bound)
   ctx = _Ctx(
     p=plan,
     arr=arr,
@@ -726,22 +790,30 @@ def blockwise_attention(
     def one(i):
       part, keep = fn(i)
       o, cert = part.finalize(n_terms=n_terms, scale_ok=scale_ok)
-      return o, cert, keep
+      lse = part.log_head if return_lse else None  # -inf: nothing kept
+      return o, cert, lse, keep
 
     return jax.checkpoint(one)
 
   if kind == "search":
     groups = [((0, plan.nt), functools.partial(_search_tile, ctx))]
   else:
-    ranges = _bands(plan.nt, bsz.max_bands) if plan.causal else [(0, plan.nt)]
-    # A causal band's last row sees keys [0, i1 bq); others see them all.
-    length = lambda i1: min(s, i1 * bq) if plan.causal else s  # noqa: E731
+    # A band's last row sees keys below i1 bq (causal) or i1 bq + right
+    # (a window); without either every row may see every key.
+    reach = 0 if plan.causal else None
+    if window is not None:
+      reach = window[1] if reach is None else min(reach, window[1])
+    ranges = [(0, plan.nt)] if reach is None else _bands(plan.nt, bsz.max_bands)
+
+    def length(i1):
+      return s if reach is None else min(s, i1 * bq + reach)
+
     groups = [
       ((i0, i1), functools.partial(_scan_all_tile, ctx, length(i1)))
       for i0, i1 in ranges
     ]
   outs = [lax.map(tile(fn), jnp.arange(i0, i1)) for (i0, i1), fn in groups]
-  o, cert, keep = jax.tree.map(lambda *x: jnp.concatenate(x, 0), *outs)
+  o, cert, lse, keep = jax.tree.map(lambda *x: jnp.concatenate(x, 0), *outs)
 
   def to_bth(x):  # [nt, b, hk, g, bq, ...] -> [b, t, h, ...]
     x = jnp.moveaxis(x, 0, 3)  # [b, hk, g, nt, bq, ...]
@@ -751,8 +823,9 @@ def blockwise_attention(
 
   out = to_bth(o).astype(query.dtype)
   cert = jax.tree.map(to_bth, cert)
-  if not return_keep:
-    return out, cert
-  keep = jnp.moveaxis(keep, 0, 3).reshape(b, hk, plan.g, plan.tp, plan.sp)
-  keep = keep[:, :, :, :t, :s].reshape(b, h, t, s)
-  return out, cert, keep
+  if return_lse:
+    lse = core.finite_log(to_bth(lse))
+  if return_keep:
+    keep = jnp.moveaxis(keep, 0, 3).reshape(b, hk, plan.g, plan.tp, plan.sp)
+    keep = keep[:, :, :, :t, :s].reshape(b, h, t, s)
+  return out, cert, lse, keep

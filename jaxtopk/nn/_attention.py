@@ -10,14 +10,19 @@ adds:
 - ``implementation``: ``'xla'``, ``'pallas'`` or None, passed to
   ``jaxtopk.topk_attention``;
 - the Certificate of the last call (THEORY 6.5), kept on the module in a
-  ``CertificateVariable`` named ``last_certificate`` and, under
-  ``nnx.capture(model, nnx.Intermediate)``, also sown as ``'certificate'``.
+  ``CertificateVariable`` named ``last_certificate`` (created by the first
+  call: a layer not yet called holds exactly nnx.MultiHeadAttention's
+  state) and, with ``sow_weights=True`` under ``nnx.capture(model,
+  nnx.Intermediate)``, also sown as ``'certificate'`` (where Flax sows the
+  dense weights, which Top-k attention never forms).
   ``jaxtopk.nn.collect_certificates(model)`` reads them per layer.
 
 Decode mode (``decode=True`` after ``init_cache``) feeds one token at a time,
 as nnx.MultiHeadAttention does, but the cache is a ``jaxtopk.KVCache``
 (head-major keys and values with per-block key boxes and value norms, DESIGN
-"one decode step") held in ``self.kv_cache``, and each step runs
+"one decode step") held in ``self.kv_cache`` (``cached_key``,
+``cached_value`` and ``cache_index`` read it in Flax's layout), and each step
+runs
 ``jaxtopk.decode_attention`` over it: Top-k without a full pass over the
 values, and Delta-/MC-Search that skips cache blocks (THEORY 6.2/6.3). A step
 given an extra ``mask`` runs ``jaxtopk.topk_attention`` over the cache
@@ -74,7 +79,42 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
   """Multi-head attention over the keys a jaxtopk policy keeps, certified.
 
   Mirrors ``nnx.MultiHeadAttention`` argument for argument (see its docs for
-  the shared ones), without ``attention_fn`` (fixed to Top-k) and with:
+  the shared ones), without ``attention_fn`` (fixed to Top-k) and with
+  ``policy`` and ``implementation``. With ``Dense()`` (or any policy that
+  keeps every key) it computes what nnx.MultiHeadAttention computes, from
+  the same parameters (same names and shapes: ``nnx.update(layer,
+  nnx.state(mha, nnx.Param))`` moves weights either way), and passes Flax's
+  own NNX and Linen attention tests (``tests/upstream/``) but for the
+  differences below, the complete list. Items 1, 2, 5 and 6 hold as well
+  for ``jaxtopk.nn.topk_attention_fn`` in any Flax attention module.
+
+  1. Attention-weight dropout is refused: a call with ``dropout_rate > 0``
+     and ``deterministic=False`` raises NotImplementedError (Top-k attention
+     never forms the weight matrix dropout acts on, and dropped weights
+     would void the certificate). ``deterministic=True`` works as in Flax.
+  2. ``sow_weights=True`` sows the call's Certificate as ``'certificate'``
+     (``nnx.Intermediate``; Linen: ``'intermediates'``), not the dense
+     ``'attention_weights'``, which Top-k attention never forms.
+  3. After its first call the layer holds the last call's Certificate in
+     ``last_certificate``, an ``nnx.Intermediate``: filters must then cover
+     it (``nnx.split(layer, nnx.Param, ...)``, or ``nnx.pop(layer,
+     nnx.Intermediate)`` first); a layer not yet called has exactly
+     nnx.MultiHeadAttention's state, except that a sampling policy
+     (``Certified(search='mc')``) adds its own rng stream ``search_rngs``.
+  4. The decode cache is a ``jaxtopk.KVCache`` in ``kv_cache`` (one
+     ``nnx.Cache``); ``cached_key``, ``cached_value`` and ``cache_index``
+     are read-only views of it in Flax's layout.
+  5. Complex inputs are refused (TypeError). The attention logits are
+     computed in float32 at full precision and the softmax in float32,
+     whatever ``precision`` or ``force_fp32_for_softmax`` say (they apply to
+     the projections); einsum overrides (Linen's ``einsum_dot_general``,
+     ``qk_attn_weights_einsum``, ``attn_weights_value_einsum``) are refused
+     with a ValueError naming them.
+  6. A query row with no key to attend to (all masked) gives zeros and an
+     invalid certificate row, where Flax averages all the values.
+
+  Outputs equal Flax's up to float rounding (not bitwise), and under a
+  certified policy up to the certificate's ``output_error_bound``.
 
   Args:
     num_heads: number of query heads; divides ``qkv_features``.
@@ -86,12 +126,11 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     policy: the selection policy: ``jaxtopk.Dense()``, ``FixedK(topk)``,
       ``Ratio(rho)``, ``PowerLaw(alpha, c)`` or ``Certified(eps, ...)``.
     implementation: ``'xla'``, ``'pallas'`` or None (library default).
-    dropout_rate: accepted for compatibility; attention-weight dropout is not
-      supported by Top-k attention, so a call that would apply it raises.
+    dropout_rate: as nnx.MultiHeadAttention, but a call that would apply it
+      raises (difference 1).
     **kwargs: every other keyword of ``nnx.MultiHeadAttention`` (``dtype``,
       ``param_dtype``, ``precision``, initialisers, ``use_bias``,
-      ``normalize_qk``, ``decode``, ``rngs``, ...). ``precision`` applies to
-      the projections; the attention core computes logits in float32.
+      ``normalize_qk``, ``decode``, ``keep_rngs``, ``rngs``, ...).
 
   Raises:
     TypeError: ``policy`` is not a jaxtopk policy.
@@ -108,6 +147,11 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     >>> y.shape, layer.last_certificate.get_value().tv_bound.shape
     ((3, 5, 6), (3, 5, 2))
   """
+
+  # The last call's Certificate: None until the first call, which stores a
+  # CertificateVariable on the instance (so a fresh layer's state is
+  # nnx.MultiHeadAttention's).
+  last_certificate: CertificateVariable | None = None
 
   def __init__(
     self,
@@ -149,8 +193,9 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     )
     self.policy = policy
     self.implementation = implementation
-    self.last_certificate = CertificateVariable(None)
     self.kv_cache: nnx.Cache[KVCache] | None = nnx.data(None)
+    self._cache_length: int | None = None  # max_length given to init_cache
+    self._cache_batch: tuple[int, ...] = ()  # its batch axes
     # MC-Search (THEORY 6.3) samples keys in decode: its own rng stream,
     # split off after the parameters so they match nnx.MultiHeadAttention's.
     self.search_rngs = (
@@ -186,8 +231,9 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
         0) since Top-k attention has no weight dropout.
       rngs: unused (no dropout); accepted for signature compatibility.
         MC-Search decode draws from the layer's own ``search_rngs``.
-      sow_weights: must be False: Top-k attention never forms the dense
-        weights. Certificates are always recorded instead.
+      sow_weights: sow the call's Certificate as ``'certificate'``
+        (``nnx.Intermediate``; Top-k attention never forms the dense weights
+        Flax sows here).
       decode: use the autoregressive cache (one token per call); ``mask``
         then broadcasts to ``[batch..., num_heads, 1, max_len]``.
       is_causal: causal mask over the sequence (ignored in decode mode, where
@@ -201,17 +247,12 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
 
     Raises:
       ValueError: decode without ``init_cache``, wrong input features or
-        cache shape, ``sow_weights=True``, an eager decode step past
-        ``init_cache``'s ``max_length`` (under jit that step's rows are
-        invalid instead: module docstring).
+        cache shape, an eager decode step past ``init_cache``'s
+        ``max_length`` (under jit that step's rows are invalid instead:
+        module docstring).
       NotImplementedError: dropout would be applied.
     """
     del rngs
-    if sow_weights:
-      raise ValueError(
-        "sow_weights=True: Top-k attention never forms dense attention "
-        "weights; its Certificate is recorded in last_certificate instead"
-      )
     if inputs_k is None:
       if inputs_v is not None:
         raise ValueError("inputs_k cannot be None if inputs_v is not None")
@@ -238,7 +279,7 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     )
     if decode:
       x, cert = self._decode_step(query, key, value, mask)
-      self._record(cert)
+      self._record(cert, sow_weights)
       return self.out(x, out_sharding=out_sharding)
 
     if self.dropout_rate > 0.0:
@@ -264,13 +305,66 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
       dtype=self.dtype,
       implementation=self.implementation,
     )
-    self._record(cert)
+    self._record(cert, sow_weights)
     return self.out(x, out_sharding=out_sharding)
 
-  def _record(self, cert: Certificate) -> None:
-    self.last_certificate.set_value(cert)
-    if hasattr(self, "__captures__"):  # inside nnx.capture
+  def _record(self, cert: Certificate, sow: bool) -> None:
+    if self.last_certificate is None:
+      self.last_certificate = CertificateVariable(cert)
+    else:
+      self.last_certificate.set_value(cert)
+    if sow:
       self.sow(nnx.Intermediate, CERTIFICATE_NAME, cert)
+
+  # Flax's decode cache names, read from the KVCache (Flax's layout
+  # ``[*batch, max_length, kv_heads, head_dim]``). Assigning them is refused
+  # (nnx.MultiHeadAttention's constructor sets them to None: accepted).
+  # They return arrays, not nnx.Cache variables (hence the type: ignore): a
+  # write into a view must fail, not be lost.
+
+  def _cache_view(self, name):
+    if self.kv_cache is None:
+      return None
+    cache = self.kv_cache.get_value()
+    x = getattr(cache, name)[:, :, : self._cache_length]  # [b, hk, L, d]
+    x = jnp.swapaxes(x, 1, 2)  # [b, L, hk, d]
+    return jnp.reshape(x, (*self._cache_batch, *x.shape[1:]))
+
+  def _refuse_set(self, name, value):
+    if value is not None:
+      raise AttributeError(
+        f"{name} is a read-only view of kv_cache (a jaxtopk.KVCache); use "
+        "init_cache and decode calls"
+      )
+
+  @property  # type: ignore[override]
+  def cached_key(self) -> jax.Array | None:
+    """The cached keys ``[*batch, max_length, num_kv_heads, head_dim]``."""
+    return self._cache_view("keys")
+
+  @cached_key.setter
+  def cached_key(self, value):
+    self._refuse_set("cached_key", value)
+
+  @property  # type: ignore[override]
+  def cached_value(self) -> jax.Array | None:
+    """The cached values ``[*batch, max_length, num_kv_heads, head_dim]``."""
+    return self._cache_view("values")
+
+  @cached_value.setter
+  def cached_value(self, value):
+    self._refuse_set("cached_value", value)
+
+  @property  # type: ignore[override]
+  def cache_index(self) -> jax.Array | None:
+    """int32 scalar: positions filled (every sequence advances together)."""
+    if self.kv_cache is None:
+      return None
+    return self.kv_cache.get_value().length[0]
+
+  @cache_index.setter
+  def cache_index(self, value):
+    self._refuse_set("cache_index", value)
 
   def init_cache(self, input_shape, dtype=jnp.float32, *, block_size=None):
     """Allocates an empty decode cache (a ``jaxtopk.KVCache``).
@@ -288,7 +382,8 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     *batch, max_length, _ = input_shape
     if isinstance(max_length, bool) or not isinstance(max_length, int):
       raise ValueError(f"{max_length=} must be a positive int")
-    self.cache_max_length = max_length
+    self._cache_length = max_length
+    self._cache_batch = tuple(batch)
     if block_size is None:
       if isinstance(self.policy, Certified):
         block_size = self.policy.block_size
@@ -339,7 +434,7 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
         "init_cache(input_shape) first"
       )
     cache = self.kv_cache.get_value()
-    cap = getattr(self, "cache_max_length", None) or cache.max_len
+    cap = self._cache_length or cache.max_len
     full = cache.length >= cap  # [sequences]: no room for this step
     if not isinstance(full, jax.core.Tracer) and bool(np.any(full)):
       step = int(np.max(np.asarray(cache.length))) + 1

@@ -61,6 +61,36 @@ def check_implementation(implementation: Any) -> str | None:
   return implementation
 
 
+def check_flax_shapes(query, key, value) -> None:
+  """Flax's shape checks, with Flax's words, before any other.
+
+  Raises:
+    ValueError: ranks or batch axes differ, query and key head dims differ,
+      key and value lengths differ, or a rank below 3.
+  """
+  shapes = f"{query.shape}, {key.shape}, {value.shape}"
+  if not query.ndim == key.ndim == value.ndim:
+    raise ValueError(
+      f"q, k, v must have same rank, but got {query.ndim}, {key.ndim},"
+      f" {value.ndim}."
+    )
+  if query.ndim < 3:
+    raise ValueError(
+      f"q, k, v must have rank >= 3 ([batch..., length, heads, head_dim]);"
+      f" got shapes {shapes}."
+    )
+  if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+    raise ValueError(f"q, k, v batch dims must match, but got shapes {shapes}.")
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(
+      f"q, k depths must match, but got {query.shape[-1]} and {key.shape[-1]}."
+    )
+  if key.shape[-3] != value.shape[-3]:
+    raise ValueError(
+      f"k, v lengths must match, but got {key.shape[-3]} and {value.shape[-3]}."
+    )
+
+
 def flatten_batch(x, batch_shape, ndim_tail):
   """Broadcasts ``x`` to ``batch_shape + tail`` and merges the batch axes."""
   if x is None:
@@ -110,16 +140,8 @@ def certified_attention(
   check_policy(policy)
   check_implementation(implementation)
   query, key, value = promote_dtype((query, key, value), dtype=dtype)
-  if not (query.ndim == key.ndim == value.ndim and query.ndim >= 3):
-    raise ValueError(
-      f"query, key, value must have the same rank >= 3; got {query.shape=}, "
-      f"{key.shape=}, {value.shape=}"
-    )
+  check_flax_shapes(query, key, value)
   batch_shape = query.shape[:-3]
-  if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
-    raise ValueError(
-      f"batch axes differ: {query.shape=}, {key.shape=}, {value.shape=}"
-    )
   if mask is not None:
     mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
@@ -189,8 +211,14 @@ def topk_attention_fn(
 
   Returns:
     ``attention_fn(query, key, value, bias=None, mask=None, ...)`` with the
-    signature of ``flax.nnx.dot_product_attention``, returning
-    ``[batch..., q_len, num_heads, v_head_dim]``.
+    signature of ``flax.nnx.dot_product_attention`` (and the Linen one's
+    extra keywords), returning ``[batch..., q_len, num_heads, v_head_dim]``.
+    It differs from Flax's as ``CertifiedTopKAttention`` (its docstring
+    lists the differences: dropout, what ``sow_weights`` sows, complex
+    inputs, full-precision logits, rows with no key); einsum overrides
+    (``einsum_dot_general``, ``qk_attn_weights_einsum``,
+    ``attn_weights_value_einsum``) are refused with a ValueError naming
+    them.
 
   Raises:
     TypeError: ``policy`` is not a jaxtopk policy.
@@ -223,8 +251,25 @@ def topk_attention_fn(
     module: Any = None,
     promote_dtype: Callable[..., Any] = dtypes.promote_dtype,
     is_causal: bool = False,
+    force_fp32_for_softmax: bool = False,
+    einsum_dot_general: Callable[..., Any] | None = None,
+    qk_attn_weights_einsum: Callable[..., Any] | None = None,
+    attn_weights_value_einsum: Callable[..., Any] | None = None,
   ) -> jax.Array:
-    del broadcast_dropout, dropout_rng, precision
+    # The softmax is always float32 (force_fp32_for_softmax holds) and the
+    # logits full precision whatever ``precision`` asks.
+    del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
+    for name, fn in (
+      ("einsum_dot_general", einsum_dot_general),
+      ("qk_attn_weights_einsum", qk_attn_weights_einsum),
+      ("attn_weights_value_einsum", attn_weights_value_einsum),
+    ):
+      if fn is not None:
+        raise ValueError(
+          f"{name}={fn!r}: Top-k attention computes its own products (full"
+          " precision, certified); einsum overrides are not supported"
+        )
+    check_flax_shapes(*(jnp.asarray(x) for x in (query, key, value)))
     if dropout_rate > 0.0 and not deterministic:
       raise NotImplementedError(
         f"{dropout_rate=} with deterministic=False: attention-weight dropout "

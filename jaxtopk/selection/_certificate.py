@@ -50,8 +50,10 @@ class Certificate:
       flush subnormals); read ``log_tv_bound`` for tiny tails. It is 1 (a
       trivial, sound bound) where the logit rounding cannot be bounded
       (products that may overflow). NaN where not ``valid``.
-    log_tv_bound: log of ``tv_bound`` (-inf when nothing real was dropped),
-      accurate where ``tv_bound`` underflows. NaN where not ``valid``.
+    log_tv_bound: log of ``tv_bound``, accurate where ``tv_bound``
+      underflows; where nothing real was dropped (``tv_bound`` 0) the most
+      negative finite float, never -inf (``core.finite_log``: results hold
+      no infinity under ``jax.debug_infs``). NaN where not ``valid``.
     k_kept: int32 number of kept real keys (of positive mass); 0 where not
       ``valid``.
     keys_scored: int32 number of full q.k products computed for the row

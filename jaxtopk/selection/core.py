@@ -72,6 +72,8 @@ Names (one line each):
   delta move the computed output from Attn_k (added by
   ``finish_certificate``).
 - ``logit_error_of(q, k, real, *, scale)``: that bound from the inputs.
+- ``finite_log(log_x)``: -inf (the log of 0) as the most negative finite
+  float, for logs that leave the library (no inf under jax.debug_infs).
 - ``finish_certificate(...)``: log tv + validity + counts -> Certificate.
 - ``certificate_from_logits(...)``: the Certificate of a kept set when every
   logit of the row is known.
@@ -472,6 +474,20 @@ def row_valid(
   return has_head & logits_ok & norms_ok & output_ok & scale_ok
 
 
+def finite_log(log_x) -> jax.Array:
+  """``log_x`` with -inf (the log of 0) as the most negative finite float.
+
+  Logs that leave the library (``Certificate.log_tv_bound``, the attention
+  log-sum-exp residual) hold no infinity, so that a caller running under
+  ``jax.debug_infs(True)`` (which checks every jit output) does not trip on
+  a row that dropped nothing or kept nothing; ``jax.nn`` uses a large finite
+  negative number for the same reason. Still an upper bound of log 0. NaN
+  and +inf pass through.
+  """
+  log_x = jnp.asarray(log_x)
+  return jnp.where(log_x == -jnp.inf, jnp.finfo(log_x.dtype).min, log_x)
+
+
 def finish_certificate(
   log_tv,
   valid,
@@ -510,6 +526,7 @@ def finish_certificate(
   log_tv = jnp.broadcast_to(jnp.asarray(log_tv), shape)
   log_tv = jnp.where(valid, jnp.minimum(log_tv, 0.0), jnp.nan)
   tv = jnp.where(valid, exp_up(log_tv), jnp.nan)
+  log_tv = finite_log(log_tv)  # tv_bound 0: the most negative float
   err = None
   if head_norm is not None:
     err = output_error_bound(tv, head_norm, tail_norm)

@@ -1,19 +1,46 @@
-"""Tests for real_text_passages (licence texts as real English prose)."""
+"""Tests for real_text_passages (a shipped public-domain book as real text)."""
 
 import pathlib
+import sys
 import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
 from experiments import _real_text
+from experiments.configs import k_eps_scaling
+from jaxtopk import models
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+# Paths opened while ``_OPENED`` is a list (an audit hook cannot be removed:
+# it records only inside ``_opened_paths``).
+_OPENED: list[str] | None = None
+
+
+def _audit(event, args):
+  if _OPENED is not None and event == "open" and args and args[0] is not None:
+    _OPENED.append(str(args[0]))
+
+
+sys.addaudithook(_audit)
+
+
+def _opened_paths(fn):
+  """``fn()`` and every path it opened."""
+  global _OPENED
+  _OPENED = []
+  try:
+    return fn(), list(_OPENED)
+  finally:
+    _OPENED = None
 
 
 class RealTextPassagesTest(parameterized.TestCase):
   def setUp(self):
     super().setUp()
     # A private directory with known files, so the mechanics are tested on
-    # any machine; the Debian files are tested separately below.
+    # any machine; the shipped text is tested separately below.
     tmp = tempfile.TemporaryDirectory()
     self.addCleanup(tmp.cleanup)
     self.dir = pathlib.Path(tmp.name)
@@ -55,23 +82,52 @@ class RealTextPassagesTest(parameterized.TestCase):
 
   def test_missing_files_raise(self):
     with tempfile.TemporaryDirectory() as empty:
-      with self.assertRaisesRegex(FileNotFoundError, "licence texts"):
-        _real_text.real_text_passages(1, directory=empty)
+      with self.assertRaisesRegex(FileNotFoundError, "shipped text"):
+        _real_text.real_text_passages(1, files=("A",), directory=empty)
+    with self.assertRaisesRegex(ValueError, "needs directory="):
+      _real_text.real_text_passages(1, files=("A",))
 
-  def test_debian_licences(self):
-    if not pathlib.Path("/usr/share/common-licenses/GPL-3").is_file():
-      self.skipTest("/usr/share/common-licenses absent (not Debian-based)")
+  def test_shipped_text(self):
     texts, sources = _real_text.real_text_passages(
       13, 200, 0, return_sources=True
     )
     self.assertLen(texts, 13)
     for text, source in zip(texts, sources, strict=True):
       self.assertLen(text.split(), 200)
-      self.assertTrue(source.startswith("/usr/share/common-licenses/"))
+      self.assertTrue(source.startswith(_real_text.SHIPPED_TEXT + " words "))
     # English prose: the commonest words are there.
     words = " ".join(texts).lower().split()
     for common in ("the", "of", "to"):
       self.assertIn(common, words)
+    # Enough for the largest config (64 passages of 200 words).
+    self.assertGreater(len(models.public_domain_text().split()), 60_000)
+
+  def test_main_job_text_reads_no_system_path(self):
+    # The main job's passages (experiments.k_eps_scaling, default config)
+    # come from the package's own data: no /usr/share file is opened.
+    models.public_domain_text.cache_clear()
+    m = k_eps_scaling.get_config().minilm
+    texts, opened = _opened_paths(
+      lambda: _real_text.real_text_passages(m.num_passages, m.max_len)
+    )
+    self.assertLen(texts, m.num_passages)
+    self.assertTrue(
+      any(p.endswith("the_devils_dictionary.txt") for p in opened)
+    )
+    self.assertEqual([p for p in opened if p.startswith("/usr/share")], [])
+
+  def test_no_debian_licence_path_in_sources(self):
+    # Neither the library, the experiments nor the notebooks read the
+    # licence texts of a Debian system.
+    roots = ("jaxtopk", "experiments", "colab")
+    hits = [
+      str(p.relative_to(REPO))
+      for root in roots
+      for p in sorted((REPO / root).rglob("*"))
+      if p.suffix in (".py", ".ipynb")
+      and "/usr/share/common-licenses" in p.read_text(errors="replace")
+    ]
+    self.assertEqual(hits, [])
 
 
 if __name__ == "__main__":

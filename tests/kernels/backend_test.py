@@ -109,6 +109,31 @@ class PallasTopkAttentionTest(base.KernelTestCase):
         mask=jnp.ones((2, 1, 21, 101), bool),
         implementation="pallas",
       )
+    for name, value in (
+      ("query_seq_lengths", jnp.array([3, 21])),
+      ("local_window_size", (2, 2)),
+      ("return_residual", True),
+    ):
+      with self.assertRaisesRegex(NotImplementedError, name):
+        jaxtopk.topk_attention(
+          q,
+          k,
+          v,
+          policy=jaxtopk.Dense(),
+          implementation="pallas",
+          **{name: value},
+        )
+
+  def test_key_value_seq_lengths_are_key_padding(self):
+    q, k, v, _ = self._inputs()
+    lens = jnp.array([37, 101], jnp.int32)
+    pad = (jnp.arange(101) < lens[:, None])[:, None, None, :]
+    kw = dict(policy=jaxtopk.Dense(), implementation="pallas")
+    o1, c1 = jaxtopk.topk_attention(q, k, v, key_value_seq_lengths=lens, **kw)
+    o2, c2 = jaxtopk.topk_attention(q, k, v, mask=pad, **kw)
+    np.testing.assert_array_equal(o1, o2)
+    _same_certificate(self, c1, c2)
+    np.testing.assert_array_equal(c1.k_kept[0], 37)
 
 
 class PallasDecodeAttentionTest(base.KernelTestCase):

@@ -105,6 +105,23 @@ class ParityTest(parameterized.TestCase):
       jax.tree.map(jnp.shape, nnx.state(ref, nnx.Param)),
     )
 
+  def test_state_is_multi_head_attentions_until_called(self):
+    # Flax's filter patterns: a fresh layer holds only what
+    # nnx.MultiHeadAttention holds, so an exhaustive Param split works.
+    layer, ref = _pair(jaxtopk.Dense())
+    _, params = nnx.split(layer, nnx.Param)
+    self.assertEqual(
+      jax.tree.map(jnp.shape, params),
+      jax.tree.map(jnp.shape, nnx.split(ref, nnx.Param)[1]),
+    )
+    self.assertIsNone(layer.last_certificate)
+    layer(*_inputs())
+    # After a call the certificate is an nnx.Intermediate (documented).
+    _, params, rest = nnx.split(layer, nnx.Param, ...)
+    self.assertEqual(list(rest), ["last_certificate"])
+    nnx.pop(layer, nnx.Intermediate)
+    nnx.split(layer, nnx.Param)
+
   def test_several_batch_axes_and_none(self):
     layer, ref = _pair(jaxtopk.Dense())
     xq, xk = _inputs(batch=(2, 3))
@@ -179,6 +196,23 @@ class DecodeTest(parameterized.TestCase):
       np.asarray(full, np.float32),
       **tol(dtype),
     )
+
+  def test_flax_cache_views(self):
+    # cached_key / cached_value / cache_index read the KVCache in Flax's
+    # layout [*batch, max_length, kv_heads, head_dim].
+    layer, _ = _pair(jaxtopk.Dense(), num_kv_heads=2)
+    x, _ = _inputs()
+    self.assertIsNone(layer.cached_key)
+    layer.init_cache(x.shape)
+    self.assertEqual(layer.cached_key.shape, (BATCH, Q_LEN, 2, 3))
+    for t in range(2):
+      layer(x[:, t : t + 1], decode=True)
+    self.assertEqual(int(layer.cache_index), 2)
+    key = layer.key(x[:, :2])  # [b, 2, kv_heads, head_dim]
+    np.testing.assert_allclose(layer.cached_key[:, :2], key, **tol(jnp.float32))
+    np.testing.assert_array_equal(layer.cached_value[:, 2:], 0.0)
+    with self.assertRaisesRegex(AttributeError, "read-only"):
+      layer.cached_key = key
 
   def test_decode_with_padding_mask_matches_forward(self):
     layer, _ = _pair(jaxtopk.FixedK(3))
@@ -300,9 +334,17 @@ class ErrorTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "in_features=6"):
       self._make()(jnp.ones((3, 5, 7)))
 
-  def test_sow_weights_refused(self):
-    with self.assertRaisesRegex(ValueError, "sow_weights"):
-      self._make()(jnp.ones((3, 5, 6)), sow_weights=True)
+  def test_sow_weights_sows_the_certificate(self):
+    layer = self._make()
+    x = jnp.ones((3, 5, 6))
+    _, inter = nnx.capture(layer, nnx.Intermediate)(x)
+    self.assertEqual(dict(inter), {})  # nothing sown, as Flax
+    _, inter = nnx.capture(layer, nnx.Intermediate)(x, sow_weights=True)
+    (sown,) = inter["certificate"]
+    self.assertEqual(sown.k_kept.shape, (3, 5, 2))
+    np.testing.assert_array_equal(
+      sown.k_kept, layer.last_certificate.get_value().k_kept
+    )
 
   def test_active_dropout_refused(self):
     layer = self._make(dropout_rate=0.1)

@@ -55,12 +55,12 @@ class Model(nnx.Module):
       ]
     )
 
-  def __call__(self, x, mask=None):
+  def __call__(self, x, mask=None, sow_weights=False):
     h = self.embed(x)
     inputs = []
     for block in self.blocks:
       inputs.append(h)
-      h = h + block(h, mask=mask, is_causal=True)
+      h = h + block(h, mask=mask, is_causal=True, sow_weights=sow_weights)
     return h, inputs
 
 
@@ -241,10 +241,12 @@ class CollectTest(absltest.TestCase):
     np.testing.assert_allclose(report["k_kept_mean"], want)
     np.testing.assert_allclose(report["valid_fraction"], 1.0)
 
-  def test_capture_sows_the_same_certificates(self):
+  def test_sow_weights_sows_the_same_certificates(self):
     model = Model(jaxtopk.FixedK(3), rngs=nnx.Rngs(0))
     x = normal((BATCH, SEQ, FEATURES))
     _, inter = nnx.capture(model, nnx.Intermediate)(x)
+    self.assertEqual(topk_nn.collect_certificates(inter), {})  # as Flax
+    _, inter = nnx.capture(model, nnx.Intermediate)(x, sow_weights=True)
     sown = topk_nn.collect_certificates(inter)
     kept = topk_nn.collect_certificates(model)
     self.assertEqual(
