@@ -42,6 +42,10 @@ Names (one line each):
 - ``exp_up(log_b)``: exp of a log bound, never below it (>= tiny if > -inf).
 - ``up_positive(x, positive)``: ``x`` raised to the smallest normal where
   its exact value is positive.
+- ``round_up(x)`` / ``round_down(x)``: past the rounding of the one float
+  operation that made ``x`` (2 eps relative plus the smallest normal, for
+  a flushed result); the rule every per-key bound applies per operation.
+- ``pow2(e, dtype)``: 2**e exactly (no exp2 rounding, no reciprocal).
 - ``flushed(x, axis)``: whether a vector holds subnormal components that a
   CPU reads as 0.
 - ``norms_up(x, axis)``: ||x||_2 rounded up, no underflow, no spurious
@@ -132,6 +136,32 @@ def _pow2(e, dtype):
   bias = 1 - fi.minexp  # 127 for float32, 1023 for float64
   biased = (jnp.asarray(e, jnp.int32) + bias).astype(ut)
   return jax.lax.bitcast_convert_type(biased << fi.nmant, dtype)
+
+
+def pow2(e, dtype) -> jax.Array:
+  """2.0**e exactly, for integer ``e`` with 2**e a normal number of
+  ``dtype`` (no reciprocal, no ``exp2`` rounding)."""
+  return _pow2(e, dtype)
+
+
+def round_up(x) -> jax.Array:
+  """``x`` raised past the rounding of the one float operation that made it.
+
+  One rounded operation (a sum, a product, a division by a power of two) is
+  off by at most eps/2 of its result, plus less than the smallest normal
+  when the result is subnormal or flushed to 0 (CPUs flush): x + 2 eps |x|
+  + tiny covers both, with room for the rounding of this formula. -inf
+  stays -inf (no mass); +inf and NaN stay.
+  """
+  x = jnp.asarray(x)
+  up = x + jnp.abs(x) * (2 * _eps(x.dtype)) + _tiny(x.dtype)
+  return jnp.where(x == -jnp.inf, x, up)
+
+
+def round_down(x) -> jax.Array:
+  """``-round_up(-x)``: below the exact value of the operation that made
+  ``x``; +inf stays +inf."""
+  return -round_up(-jnp.asarray(x))
 
 
 def flushed(x, axis=-1) -> jax.Array:
