@@ -47,17 +47,22 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.scipy.special import logsumexp
 
 from jaxtopk.attention import checks
 from jaxtopk.attention._cache import KVCache
+from jaxtopk.selection import Auto
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Certified
+from jaxtopk.selection import Codes
+from jaxtopk.selection import DeltaSearch
 from jaxtopk.selection import Dense
 from jaxtopk.selection import FixedCount
 from jaxtopk.selection import Policy
 from jaxtopk.selection import box_upper_bound_dot
 from jaxtopk.selection import capabilities
 from jaxtopk.selection import core
+from jaxtopk.selection import key_codes
 from jaxtopk.selection import search_row_partial
 from jaxtopk.selection import threshold
 
@@ -73,6 +78,7 @@ SUPPORTS = capabilities(
   "search=delta",
   "search=mc",
   "bound=box",
+  "bound=codes",
   "max_topk",
 )
 _BACKEND = "decode_attention(implementation='xla')"
@@ -83,6 +89,18 @@ BRACKET_BINS = 256  # bins of the certified bracket's column-mass histogram
 # Static gather capacity of Certified(eps) (kept keys), as a fraction of the
 # cache: rows keeping more take the dense value product.
 CERTIFIED_CAPACITY = 1 / 32
+# Auto over a KVCache (``_codes_rows``): caches shorter than AUTO_MIN_KEYS
+# run the exact search; longer rows score AUTO_SAMPLE strided keys exactly
+# and take the key codes when the sample needs at most AUTO_THRESHOLD of its
+# keys for 1 - eps of its mass (experiments/bound_study.py: over the 72
+# MiniLM heads no head then costs more than the exact search plus the
+# sample, and the concentrated heads keep their saving).
+AUTO_MIN_KEYS = 1024
+AUTO_SAMPLE = 32
+AUTO_THRESHOLD = 0.6
+# Candidate capacities of the key-code path: n / CODES_SMALL first (one
+# gather of that many keys), else 3/4 of n, else the exact search.
+CODES_SMALL = 16
 _HIGHEST = lax.Precision.HIGHEST
 
 DECODE_IMPLEMENTATIONS: dict[str | None, Callable] = {}
@@ -125,25 +143,40 @@ class _Step:
     return jnp.broadcast_to(self.valid, self.s.shape)
 
 
-def _step(query, cache, scale) -> _Step:
+def _queries(query, cache):
+  """(query ``[b, hk, g, d]`` as given, in the compute dtype)."""
   b, _, h, d = query.shape
   hk = cache.keys.shape[1]
-  g = h // hk
   dt = core.compute_dtype(jnp.result_type(query.dtype, cache.keys.dtype))
-  q_in = query.reshape(b, hk, g, d)  # [b, hk, g, d], input dtype
-  q = q_in.astype(dt)
-  k = cache.keys.astype(dt)  # [b, hk, n, d] head-major
-  s = jnp.einsum("bkgd,bknd->bkgn", q, k, precision=_HIGHEST) * scale
+  q_in = query.reshape(b, hk, h // hk, d)  # [b, hk, g, d], input dtype
+  return q_in, q_in.astype(dt)
+
+
+def _logit_error(q_in, q, cache, scale):
+  """``[b, hk, g]`` delta of the computed logits (``core``), from the
+  cache's running key summaries."""
   abs_dot = core.abs_dot_box(q, cache.kabs[:, :, None, :])[..., 0]  # [b,hk,g]
-  delta = core.logit_error_bound(
+  return core.logit_error_bound(
     q_norm=core.norms_up(q_in),
     k_norm=cache.knorm[..., None],
-    head_dim=d,
+    head_dim=q.shape[-1],
     scale=scale,
     abs_dot=abs_dot,
     q_flushed=core.flushed(q_in),
     k_flushed=cache.kflushed[..., None],
   )
+
+
+def _step(query, cache, scale, s=None) -> _Step:
+  """The arrays of a step; ``s`` given: the logits are not computed (the
+  key-code path passes its upper bounds, of which only the shape is read
+  by the finishing helpers)."""
+  q_in, q = _queries(query, cache)
+  dt = q.dtype
+  if s is None:
+    k = cache.keys.astype(dt)  # [b, hk, n, d] head-major
+    s = jnp.einsum("bkgd,bknd->bkgn", q, k, precision=_HIGHEST) * scale
+  delta = _logit_error(q_in, q, cache, scale)
   valid = cache.valid()[:, :, None]  # [b, 1, 1, n]
   n_valid = jnp.broadcast_to(cache.length[:, None, None], s.shape[:-1])
   return _Step(
@@ -259,8 +292,10 @@ def _below(st: _Step, below, group, row_ok):
   return dataclasses.replace(part, head_norm=zero, tail_norm=vmax)
 
 
-def _finish(st: _Step, part, *, failure_prob=0.0):
-  part = dataclasses.replace(part, keys_scored=st.n_valid)
+def _finish(st: _Step, part, *, failure_prob=0.0, keys_scored=None):
+  if keys_scored is None:
+    keys_scored = st.n_valid
+  part = dataclasses.replace(part, keys_scored=keys_scored)
   n = st.s.shape[-1]
   return part.finalize(
     n_terms=2 * n, failure_prob=failure_prob, scale_ok=st.scale_ok
@@ -311,8 +346,9 @@ def _compact_ge(st: _Step, lo, cap, group):
   return threshold.mask_indices(ge, cap, group=group)
 
 
-def _finish_candidates(st: _Step, c: _Candidates, kept, capacity):
-  """Certificate and output of ``kept`` ``[b, hk, g, cap]`` candidates."""
+def _finish_candidates(st: _Step, c: _Candidates, kept, capacity, **kw):
+  """Certificate and output of ``kept`` ``[b, hk, g, cap]`` candidates
+  (``kw``: ``_finish``'s)."""
   kidx, kok, _ = threshold.mask_indices(kept, capacity, strided=False)
   pos = jnp.take_along_axis(c.idx, kidx, -1)  # [b, hk, g, K] positions
   vals = _gather_values(st.cache.values, pos)  # [b, hk, g, K, dv]
@@ -332,7 +368,7 @@ def _finish_candidates(st: _Step, c: _Candidates, kept, capacity):
     value_norms=c.vn,
     keys_scored=0,
   )
-  return _finish(st, core.merge(head, c.below))
+  return _finish(st, core.merge(head, c.below), **kw)
 
 
 def _tie_break(s, ok, thresh, n_above, need_total):
@@ -570,17 +606,216 @@ def _certified_search(policy: Certified, st: _Step, rng):
   )
 
 
+# ------------------------------------------------------------- key codes
+
+
+def _by_codes(policy: Certified, cache: KVCache) -> bool:
+  """Whether the key-code path runs (statically): ``bound='codes'``, or
+  ``Auto`` over a cache of at least ``AUTO_MIN_KEYS`` positions."""
+  if isinstance(policy.search, Auto):
+    return cache.max_len >= AUTO_MIN_KEYS
+  return isinstance(policy.search, DeltaSearch) and isinstance(
+    policy.search.bound, Codes
+  )
+
+
+def _rows(cache: KVCache) -> KVCache:
+  """The cache with ``[batch * kv_heads]`` leading rows (``length`` per
+  row), for ``lax.map``."""
+  b, hk = cache.keys.shape[:2]
+
+  def flat(x):
+    return x.reshape(b * hk, *x.shape[2:])
+
+  rows = jax.tree.map(flat, dataclasses.replace(cache, length=cache.kflushed))
+  length = jnp.repeat(cache.length, hk)
+  return dataclasses.replace(rows, length=length)
+
+
+def _one_row(row: KVCache) -> KVCache:
+  """A ``lax.map`` slice of ``_rows`` as a cache of batch 1, one kv head."""
+  cache = jax.tree.map(
+    lambda x: x[None, None], dataclasses.replace(row, length=row.kflushed)
+  )
+  return dataclasses.replace(cache, length=row.length[None])
+
+
+def _sample_says_codes(policy, query, cache, scale):
+  """Auto's choice for one row: does a strided exact sample of
+  ``AUTO_SAMPLE`` keys look concentrated enough for the codes to pay?
+
+  The fraction of the sample needed to hold 1 - eps of the sample's mass
+  estimates k_eps / n; the codes pay when it is at most ``AUTO_THRESHOLD``
+  (measured: experiments/bound_study.py). Only the choice of strategy
+  depends on it; every certificate is computed from what was scored.
+  """
+  m = AUTO_SAMPLE
+  q_in, q = _queries(query, cache)  # [1, 1, g, d]
+  length = cache.length[0]
+  pos = (jnp.arange(m, dtype=jnp.int32) * length) // m  # [m]
+  ks = cache.keys[0, 0, pos].astype(q.dtype)  # [m, d]
+  s = jnp.einsum("gd,md->gm", q[0, 0], ks, precision=_HIGHEST) * scale
+  p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
+  p = -jnp.sort(-p / jnp.sum(p, -1, keepdims=True), axis=-1)
+  need = jnp.sum(jnp.cumsum(p, -1) < 1 - policy.eps, -1) + 1  # [g]
+  return jnp.any(need <= AUTO_THRESHOLD * m)  # NaN rows: False (exact)
+
+
+def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
+  """Certified(eps) of every row from the key codes (THEORY 3.5).
+
+  Bounds l <= s <= u of every key from its code (``key_codes``); the
+  candidates are the keys with u >= t, t the largest threshold whose
+  unscored mass sum_{u < t} e^u fits eps sum e^l (<= eps Z); they are
+  gathered and scored exactly, the kept set is the fewest of them meeting
+  eps with the unscored bound as extra tail, and the certificate is the
+  core's: the scored candidates plus sum_{u < t} e^{u_i} in the tail.
+  Rows whose candidates exceed the capacities, or whose finished bound
+  exceeds eps, take the exact path (``keys_scored`` then counts the codes
+  and every key).
+
+  Args:
+    policy: the Certified policy.
+    query: ``[b, 1, h, d]``.
+    cache: the KVCache.
+    scale: logit scale.
+    extra: ``[]`` int32 products already computed for the row (Auto's
+      sample), added to ``keys_scored``.
+  """
+  q_in, q = _queries(query, cache)
+  dt = q.dtype
+  n = cache.max_len
+  u, lo = key_codes.code_bounds(
+    q_in, cache.key_codes, cache.key_exponents, scale=scale
+  )  # [b, hk, g, n]
+  st = _step(query, cache, scale, s=u)
+  real = st.real
+  n_terms = 2 * n
+  margin = core.search_log_margin(n_terms, st.delta, dt)
+  log_eps = jnp.log(jnp.asarray(policy.eps, dt))
+  ok_l = real & (lo > -jnp.inf)
+  # sum e^u = e^sigma sum e^l: aim the unscored mass at eps sum e^l.
+  sigma = logsumexp(u, axis=-1, where=real) - logsumexp(lo, axis=-1, where=ok_l)
+  log_frac = log_eps - margin - sigma  # [b, hk, g]; NaN / -inf: all kept
+  log_frac = jnp.where(jnp.isnan(log_frac), -jnp.inf, log_frac)
+  t = threshold.budget_threshold(u, log_frac, real, relative=True)
+  cand = real & (u >= t[..., None])
+  count = jnp.sum(cand, -1, dtype=jnp.int32)  # [b, hk, g]
+  code_cost = key_codes.code_cost(st.n_valid, q.shape[-1], cache.keys.dtype)
+  base_cost = code_cost + extra
+  below = real & ~cand
+  vmax = jnp.broadcast_to(cache.vmax[..., None, None], u.shape)
+  empty = core.Partial.empty(
+    count.shape, dt, d_v=cache.values.shape[-1], norms=True
+  )
+  below_part = empty.add_tail(u, below, norms=vmax)  # sum_{u < t} e^u
+  log_below = below_part.tail_m + jnp.log(below_part.tail_sum)
+  m_top = policy.max_topk if policy.max_topk and policy.max_topk < n else None
+
+  def scored(cap):
+    idx, ok, _ = threshold.mask_indices(cand, cap)  # [b, hk, g, cap]
+    kc = _gather_values(cache.keys, idx).astype(dt)  # [b, hk, g, cap, d]
+    cs = jnp.einsum("bkgd,bkgtd->bkgt", q, kc, precision=_HIGHEST) * scale
+    cs = jnp.where(ok, cs, -jnp.inf)
+    vn = jnp.broadcast_to(st.vn, u.shape)
+    cvn = jnp.where(ok, jnp.take_along_axis(vn, idx, -1), 0.0)
+    tt = threshold.budget_threshold(
+      cs, log_eps - margin, ok, relative=True, log_extra=log_below
+    )
+    keep = ok & (cs >= tt[..., None])
+    if m_top is not None:
+      t2, n_above = threshold.topk_threshold(cs, m_top, ok)
+      top = _tie_break(cs, ok, t2, n_above, jnp.full(count.shape, m_top))
+      n_keep = jnp.sum(keep, -1, dtype=jnp.int32)
+      keep = jnp.where((n_keep > m_top)[..., None], top, keep)
+    c = _Candidates(idx, ok, cs, cvn, below_part)
+    return _finish_candidates(st, c, keep, cap, keys_scored=base_cost + count)
+
+  def exact():
+    out, cert = _certified_exact(policy, _step(query, cache, scale))
+    cost = cert.keys_scored + code_cost + extra
+    return out, dataclasses.replace(cert, keys_scored=cost)
+
+  small = max(1, min(n, -(-n // CODES_SMALL)))
+  large = max(small, min(n, -(-n * 3 // 4)))
+  fits_small = jnp.all(count <= small)
+  fits_large = jnp.all(count <= large)
+  if small == large:
+    out, cert = lax.cond(fits_small, lambda: scored(small), exact)
+  else:
+    out, cert = lax.cond(
+      fits_small,
+      lambda: scored(small),
+      lambda: lax.cond(fits_large, lambda: scored(large), exact),
+    )
+  # Safety net: float rounding beyond the margins (or an aim that missed):
+  # a valid row certified above eps is redone exactly.
+  over = cert.valid & (cert.tv_bound > policy.eps) & (st.delta < jnp.inf)
+  if m_top is not None:
+    over = over & (cert.k_kept < m_top)
+  return lax.cond(jnp.any(over), exact, lambda: (out, cert))
+
+
+def _codes_rows(policy: Certified, query, cache: KVCache, scale):
+  """Certified over the key codes, one (batch, kv head) row at a time.
+
+  ``Auto``: a row whose exact sample (``_sample_says_codes``) says the
+  codes do not pay, or that holds fewer than ``AUTO_MIN_KEYS`` keys, runs
+  the exact search and costs its keys plus the sample; the others run
+  ``_certified_codes``. ``bound='codes'``: every row runs the codes. Rows
+  run one after the other (``lax.map``): each takes its own branch, so a
+  flat row never pays for the codes and a concentrated one never for the
+  exact search.
+  """
+  b, _, h, _ = query.shape
+  hk = cache.keys.shape[1]
+  g = h // hk
+  auto = isinstance(policy.search, Auto)
+  qr = query.reshape(b, hk, g, -1).reshape(b * hk, 1, g, -1)
+
+  def row(args):
+    q1, r = args
+    c1 = _one_row(r)
+    q1 = q1[None]  # [1, 1, g, d]
+    if not auto:
+      return _certified_codes(policy, q1, c1, scale, jnp.int32(0))
+
+    def sampled():
+      return _sample_says_codes(policy, q1, c1, scale)
+
+    long_row = c1.length[0] >= AUTO_MIN_KEYS
+    use = lax.cond(long_row, sampled, lambda: jnp.asarray(False))
+    extra = jnp.where(long_row, AUTO_SAMPLE, 0).astype(jnp.int32)
+
+    def exact():
+      out, cert = _certified_exact(policy, _step(q1, c1, scale))
+      cost = cert.keys_scored + extra
+      return out, dataclasses.replace(cert, keys_scored=cost)
+
+    return lax.cond(
+      use, lambda: _certified_codes(policy, q1, c1, scale, extra), exact
+    )
+
+  out, cert = lax.map(row, (qr, _rows(cache)))  # [b hk, 1, 1, g, ...]
+  out = out.reshape(b, hk, g, -1)
+  cert = jax.tree.map(lambda x: x.reshape(b, hk, g), cert)
+  return out, cert
+
+
 @functools.partial(jax.jit, static_argnames=("policy", "static_scale"))
 def _xla_decode(query, cache, rng, scale, *, policy, static_scale):
   b, _, h, _ = query.shape
-  st = _step(query, cache, scale if static_scale is None else static_scale)
-  if isinstance(policy, Certified):
+  scale = scale if static_scale is None else static_scale
+  if isinstance(policy, Certified) and _by_codes(policy, cache):
+    out, cert = _codes_rows(policy, query, cache, scale)
+  elif isinstance(policy, Certified):
+    st = _step(query, cache, scale)
     if policy.search.scores_all:
       out, cert = _certified_exact(policy, st)
     else:
       out, cert = _certified_search(policy, st, rng)
   else:
-    out, cert = _fixed_count(policy, st)
+    out, cert = _fixed_count(policy, _step(query, cache, scale))
   out = out.reshape(b, 1, h, -1).astype(query.dtype)  # [b, 1, h, dv]
   cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
   return out, cert
