@@ -47,7 +47,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.special import logsumexp
 
 from jaxtopk.attention import checks
 from jaxtopk.attention._cache import KVCache
@@ -98,9 +97,12 @@ CERTIFIED_CAPACITY = 1 / 32
 AUTO_MIN_KEYS = 1024
 AUTO_SAMPLE = 32
 AUTO_THRESHOLD = 0.6
-# Candidate capacities of the key-code path: n / CODES_SMALL first (one
-# gather of that many keys), else 3/4 of n, else the exact search.
-CODES_SMALL = 16
+# The key-code path: candidates compacted into n / CODES_SMALL slots, or
+# CODES_MAX of n (past it, the exact search); their keys and values
+# gathered CODES_CHUNK at a time.
+CODES_SMALL = 8
+CODES_MAX = (7, 8)
+CODES_CHUNK = 1024
 _HIGHEST = lax.Precision.HIGHEST
 
 DECODE_IMPLEMENTATIONS: dict[str | None, Callable] = {}
@@ -641,24 +643,34 @@ def _one_row(row: KVCache) -> KVCache:
 
 
 def _sample_says_codes(policy, query, cache, scale):
-  """Auto's choice for one row: does a strided exact sample of
+  """Auto's choice per (batch, kv head) row: does a strided exact sample of
   ``AUTO_SAMPLE`` keys look concentrated enough for the codes to pay?
 
   The fraction of the sample needed to hold 1 - eps of the sample's mass
   estimates k_eps / n; the codes pay when it is at most ``AUTO_THRESHOLD``
-  (measured: experiments/bound_study.py). Only the choice of strategy
-  depends on it; every certificate is computed from what was scored.
+  for some query of the row's group (measured: experiments/bound_study.py).
+  Rows of fewer than ``AUTO_MIN_KEYS`` keys take the exact search without a
+  sample. Only the choice of strategy depends on it; every certificate is
+  computed from what was scored.
+
+  Returns:
+    ``(use, extra)``: ``[b, hk]`` bool (take the codes) and ``[b, hk]``
+    int32 products the sample cost (0 where none was drawn).
   """
   m = AUTO_SAMPLE
-  q_in, q = _queries(query, cache)  # [1, 1, g, d]
-  length = cache.length[0]
-  pos = (jnp.arange(m, dtype=jnp.int32) * length) // m  # [m]
-  ks = cache.keys[0, 0, pos].astype(q.dtype)  # [m, d]
-  s = jnp.einsum("gd,md->gm", q[0, 0], ks, precision=_HIGHEST) * scale
+  _, q = _queries(query, cache)  # [b, hk, g, d]
+  length = cache.length  # [b]
+  pos = (jnp.arange(m, dtype=jnp.int32) * length[:, None]) // m  # [b, m]
+  ks = jax.vmap(lambda k, p: k[:, p])(cache.keys, pos)  # [b, hk, m, d]
+  s = jnp.einsum("bkgd,bkmd->bkgm", q, ks.astype(q.dtype), precision=_HIGHEST)
+  s = s * scale
   p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
   p = -jnp.sort(-p / jnp.sum(p, -1, keepdims=True), axis=-1)
-  need = jnp.sum(jnp.cumsum(p, -1) < 1 - policy.eps, -1) + 1  # [g]
-  return jnp.any(need <= AUTO_THRESHOLD * m)  # NaN rows: False (exact)
+  need = jnp.sum(jnp.cumsum(p, -1) < 1 - policy.eps, -1) + 1  # [b, hk, g]
+  long_row = (length >= AUTO_MIN_KEYS)[:, None]  # [b, 1]
+  use = long_row & jnp.any(need <= AUTO_THRESHOLD * m, -1)  # NaN: False
+  extra = jnp.broadcast_to(jnp.where(long_row, m, 0), use.shape)
+  return use, extra.astype(jnp.int32)
 
 
 def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
@@ -693,12 +705,20 @@ def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
   n_terms = 2 * n
   margin = core.search_log_margin(n_terms, st.delta, dt)
   log_eps = jnp.log(jnp.asarray(policy.eps, dt))
-  ok_l = real & (lo > -jnp.inf)
-  # sum e^u = e^sigma sum e^l: aim the unscored mass at eps sum e^l.
-  sigma = logsumexp(u, axis=-1, where=real) - logsumexp(lo, axis=-1, where=ok_l)
-  log_frac = log_eps - margin - sigma  # [b, hk, g]; NaN / -inf: all kept
+  # sum e^u = e^sigma sum e^l: aim the unscored mass at eps sum e^l. Both
+  # sums relative to the max of u (l <= u: no overflow), one pass each.
+  m_u = jnp.max(jnp.where(real, u, -jnp.inf), -1, initial=-jnp.inf)
+  mm = jnp.where(jnp.isfinite(m_u), m_u, 0.0)[..., None]
+  z_u = jnp.sum(jnp.where(real, jnp.exp(u - mm), 0.0), -1)
+  z_l = jnp.sum(jnp.where(real, jnp.exp(lo - mm), 0.0), -1)
+  log_frac = log_eps - margin - jnp.log(z_u) + jnp.log(z_l)  # [b, hk, g]
+  # NaN, -inf (no lower mass above the flush): every key a candidate.
   log_frac = jnp.where(jnp.isnan(log_frac), -jnp.inf, log_frac)
-  t = threshold.budget_threshold(u, log_frac, real, relative=True)
+  # One histogram pass: the threshold's resolution (~0.1 logit) only
+  # decides how many candidates are scored, never the certificate.
+  t = threshold.budget_threshold(
+    u, log_frac, real, relative=True, row_max=m_u, levels=1
+  )
   cand = real & (u >= t[..., None])
   count = jnp.sum(cand, -1, dtype=jnp.int32)  # [b, hk, g]
   code_cost = key_codes.code_cost(st.n_valid, q.shape[-1], cache.keys.dtype)
@@ -712,10 +732,36 @@ def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
   log_below = below_part.tail_m + jnp.log(below_part.tail_sum)
   m_top = policy.max_topk if policy.max_topk and policy.max_topk < n else None
 
-  def scored(cap):
-    idx, ok, _ = threshold.mask_indices(cand, cap)  # [b, hk, g, cap]
-    kc = _gather_values(cache.keys, idx).astype(dt)  # [b, hk, g, cap, d]
-    cs = jnp.einsum("bkgd,bkgtd->bkgt", q, kc, precision=_HIGHEST) * scale
+  cap = max(1, min(n, -(-n * CODES_MAX[0] // CODES_MAX[1])))
+  chunk = min(cap, CODES_CHUNK)
+  cap = -(-cap // chunk) * chunk  # whole chunks (slots past n: unused)
+  small = min(cap, max(chunk, -(-n // CODES_SMALL)))
+
+  def compact(size):
+    def fn():
+      idx, ok, _ = threshold.mask_indices(cand, size)  # [b, hk, g, size]
+      pad = ((0, 0),) * 3 + ((0, cap - size),)
+      return jnp.pad(idx, pad), jnp.pad(ok, pad)
+
+    return fn
+
+  def scored():
+    # One compaction of the candidates; their keys and values are gathered
+    # chunk by chunk (a loop whose trip count follows the candidates, and
+    # whose buffers stay small: XLA:CPU pays page faults on large
+    # temporaries).
+    idx, ok = lax.cond(jnp.max(count) <= small, compact(small), compact(cap))
+    trips = (jnp.max(count) + chunk - 1) // chunk
+
+    def chunk_of(x, j):
+      return lax.dynamic_slice_in_dim(x, j * chunk, chunk, axis=-1)
+
+    def logits(j, buf):
+      kc = _gather_values(cache.keys, chunk_of(idx, j)).astype(dt)
+      sj = jnp.einsum("bkgd,bkgtd->bkgt", q, kc, precision=_HIGHEST) * scale
+      return lax.dynamic_update_slice_in_dim(buf, sj, j * chunk, axis=-1)
+
+    cs = lax.fori_loop(0, trips, logits, jnp.zeros(idx.shape, dt))
     cs = jnp.where(ok, cs, -jnp.inf)
     vn = jnp.broadcast_to(st.vn, u.shape)
     cvn = jnp.where(ok, jnp.take_along_axis(vn, idx, -1), 0.0)
@@ -728,26 +774,38 @@ def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
       top = _tie_break(cs, ok, t2, n_above, jnp.full(count.shape, m_top))
       n_keep = jnp.sum(keep, -1, dtype=jnp.int32)
       keep = jnp.where((n_keep > m_top)[..., None], top, keep)
-    c = _Candidates(idx, ok, cs, cvn, below_part)
-    return _finish_candidates(st, c, keep, cap, keys_scored=base_cost + count)
+    # Chunks past the last kept slot hold no weight: stop there.
+    last = jnp.max(jnp.where(keep, jnp.arange(cap, dtype=jnp.int32), -1))
+    v_trips = (last + chunk) // chunk
+
+    def value_fn(p):  # normalised kept weights, 0 off the kept set
+      def step(j, acc):
+        vj = _gather_values(cache.values, chunk_of(idx, j)).astype(p.dtype)
+        return acc + jnp.einsum(
+          "bkgt,bkgtd->bkgd", chunk_of(p, j), vj, precision=_HIGHEST
+        )
+
+      zero = jnp.zeros((*p.shape[:-1], cache.values.shape[-1]), p.dtype)
+      return lax.fori_loop(0, v_trips, step, zero)
+
+    head = core.Partial.from_logits(
+      cs,
+      keep,
+      ok,
+      logit_error=st.delta,
+      value_fn=value_fn,
+      value_norms=cvn,
+      keys_scored=0,
+    )
+    part = core.merge(head, below_part)
+    return _finish(st, part, keys_scored=base_cost + count)
 
   def exact():
     out, cert = _certified_exact(policy, _step(query, cache, scale))
     cost = cert.keys_scored + code_cost + extra
     return out, dataclasses.replace(cert, keys_scored=cost)
 
-  small = max(1, min(n, -(-n // CODES_SMALL)))
-  large = max(small, min(n, -(-n * 3 // 4)))
-  fits_small = jnp.all(count <= small)
-  fits_large = jnp.all(count <= large)
-  if small == large:
-    out, cert = lax.cond(fits_small, lambda: scored(small), exact)
-  else:
-    out, cert = lax.cond(
-      fits_small,
-      lambda: scored(small),
-      lambda: lax.cond(fits_large, lambda: scored(large), exact),
-    )
+  out, cert = lax.cond(jnp.all(count <= cap), scored, exact)
   # Safety net: float rounding beyond the margins (or an aim that missed):
   # a valid row certified above eps is redone exactly.
   over = cert.valid & (cert.tv_bound > policy.eps) & (st.delta < jnp.inf)
@@ -757,49 +815,55 @@ def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
 
 
 def _codes_rows(policy: Certified, query, cache: KVCache, scale):
-  """Certified over the key codes, one (batch, kv head) row at a time.
+  """Certified over the key codes; with ``Auto``, each row its own choice.
 
-  ``Auto``: a row whose exact sample (``_sample_says_codes``) says the
-  codes do not pay, or that holds fewer than ``AUTO_MIN_KEYS`` keys, runs
-  the exact search and costs its keys plus the sample; the others run
-  ``_certified_codes``. ``bound='codes'``: every row runs the codes. Rows
-  run one after the other (``lax.map``): each takes its own branch, so a
-  flat row never pays for the codes and a concentrated one never for the
-  exact search.
+  ``bound='codes'``: every row runs ``_certified_codes``. ``Auto``: rows
+  whose exact sample (``_sample_says_codes``) says the codes do not pay,
+  or that hold fewer than ``AUTO_MIN_KEYS`` keys, run the exact search and
+  cost their keys plus the sample; the others run the codes. When every
+  row of the batch makes the same choice the batch runs it at once; a
+  mixed batch runs row by row (``lax.map``, each row its own branch), so a
+  flat row never pays for codes and a concentrated one never for the exact
+  search.
   """
   b, _, h, _ = query.shape
   hk = cache.keys.shape[1]
   g = h // hk
-  auto = isinstance(policy.search, Auto)
-  qr = query.reshape(b, hk, g, -1).reshape(b * hk, 1, g, -1)
+  if not isinstance(policy.search, Auto):
+    return _certified_codes(policy, query, cache, scale, jnp.int32(0))
+  use, extra = _sample_says_codes(policy, query, cache, scale)  # [b, hk]
+  extra_g = jnp.broadcast_to(extra[..., None], (b, hk, g))
 
-  def row(args):
-    q1, r = args
-    c1 = _one_row(r)
-    q1 = q1[None]  # [1, 1, g, d]
-    if not auto:
-      return _certified_codes(policy, q1, c1, scale, jnp.int32(0))
+  def all_codes():
+    return _certified_codes(policy, query, cache, scale, extra_g)
 
-    def sampled():
-      return _sample_says_codes(policy, q1, c1, scale)
+  def exact(q, c, x):
+    out, cert = _certified_exact(policy, _step(q, c, scale))
+    return out, dataclasses.replace(cert, keys_scored=cert.keys_scored + x)
 
-    long_row = c1.length[0] >= AUTO_MIN_KEYS
-    use = lax.cond(long_row, sampled, lambda: jnp.asarray(False))
-    extra = jnp.where(long_row, AUTO_SAMPLE, 0).astype(jnp.int32)
+  def mixed():
+    qr = query.reshape(b * hk, 1, g, -1)
 
-    def exact():
-      out, cert = _certified_exact(policy, _step(q1, c1, scale))
-      cost = cert.keys_scored + extra
-      return out, dataclasses.replace(cert, keys_scored=cost)
+    def row(args):
+      q1, r, u1, x1 = args
+      c1, q1 = _one_row(r), q1[None]  # a cache of one row, [1, 1, g, d]
+      x1 = jnp.broadcast_to(x1, (1, 1, g))
+      return lax.cond(
+        u1,
+        lambda: _certified_codes(policy, q1, c1, scale, x1),
+        lambda: exact(q1, c1, x1),
+      )
 
-    return lax.cond(
-      use, lambda: _certified_codes(policy, q1, c1, scale, extra), exact
-    )
+    xs = (qr, _rows(cache), use.reshape(-1), extra.reshape(-1))
+    out, cert = lax.map(row, xs)  # [b hk, 1, 1, g, ...]
+    out = out.reshape(b, hk, g, -1)
+    return out, jax.tree.map(lambda x: x.reshape(b, hk, g), cert)
 
-  out, cert = lax.map(row, (qr, _rows(cache)))  # [b hk, 1, 1, g, ...]
-  out = out.reshape(b, hk, g, -1)
-  cert = jax.tree.map(lambda x: x.reshape(b, hk, g), cert)
-  return out, cert
+  return lax.cond(
+    jnp.all(use),
+    all_codes,
+    lambda: lax.cond(jnp.any(use), mixed, lambda: exact(query, cache, extra_g)),
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "static_scale"))
