@@ -97,11 +97,9 @@ CERTIFIED_CAPACITY = 1 / 32
 AUTO_MIN_KEYS = 1024
 AUTO_SAMPLE = 32
 AUTO_THRESHOLD = 0.6
-# The key-code path: candidates compacted into n / CODES_SMALL slots, or
-# CODES_MAX of n (past it, the exact search); their keys and values
-# gathered CODES_CHUNK at a time.
+# The key-code path: candidates compacted into n / CODES_SMALL slots (or
+# n when more), their keys and values gathered CODES_CHUNK at a time.
 CODES_SMALL = 8
-CODES_MAX = (7, 8)
 CODES_CHUNK = 1024
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -681,10 +679,9 @@ def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
   unscored mass sum_{u < t} e^u fits eps sum e^l (<= eps Z); they are
   gathered and scored exactly, the kept set is the fewest of them meeting
   eps with the unscored bound as extra tail, and the certificate is the
-  core's: the scored candidates plus sum_{u < t} e^{u_i} in the tail.
-  Rows whose candidates exceed the capacities, or whose finished bound
-  exceeds eps, take the exact path (``keys_scored`` then counts the codes
-  and every key).
+  core's: the scored candidates plus sum_{u < t} e^{u_i} in the tail. A
+  row whose finished bound exceeds eps (rounding past the margins) takes
+  the exact path (``keys_scored`` then counts the codes and every key).
 
   Args:
     policy: the Certified policy.
@@ -717,7 +714,7 @@ def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
   # One histogram pass: the threshold's resolution (~0.1 logit) only
   # decides how many candidates are scored, never the certificate.
   t = threshold.budget_threshold(
-    u, log_frac, real, relative=True, row_max=m_u, levels=1
+    u, log_frac, real, relative=True, row_max=m_u, levels=2
   )
   cand = real & (u >= t[..., None])
   count = jnp.sum(cand, -1, dtype=jnp.int32)  # [b, hk, g]
@@ -732,9 +729,8 @@ def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
   log_below = below_part.tail_m + jnp.log(below_part.tail_sum)
   m_top = policy.max_topk if policy.max_topk and policy.max_topk < n else None
 
-  cap = max(1, min(n, -(-n * CODES_MAX[0] // CODES_MAX[1])))
-  chunk = min(cap, CODES_CHUNK)
-  cap = -(-cap // chunk) * chunk  # whole chunks (slots past n: unused)
+  chunk = min(n, CODES_CHUNK)
+  cap = -(-n // chunk) * chunk  # whole chunks (slots past n: unused)
   small = min(cap, max(chunk, -(-n // CODES_SMALL)))
 
   def compact(size):
@@ -805,7 +801,7 @@ def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
     cost = cert.keys_scored + code_cost + extra
     return out, dataclasses.replace(cert, keys_scored=cost)
 
-  out, cert = lax.cond(jnp.all(count <= cap), scored, exact)
+  out, cert = scored()
   # Safety net: float rounding beyond the margins (or an aim that missed):
   # a valid row certified above eps is redone exactly.
   over = cert.valid & (cert.tv_bound > policy.eps) & (st.delta < jnp.inf)
