@@ -24,7 +24,11 @@ Two engines, one per kind of policy:
   grouped into at most ``BlockSizes.max_bands`` bands of consecutive tiles,
   and a band's tiles score only the keys its last row can see (a band of
   ``w`` tiles wastes at most ``w - 1`` tiles' worth of keys).
-- Block search (``Certified(search=DeltaSearch(...))``):
+- Block search (``Certified(search=DeltaSearch(...))``, and the default
+  ``Certified(eps)``, ``Auto``: where the box bounds cannot rule a block
+  out, the rounds score it anyway, so a flat tile ends up scoring every key
+  it sees, at about the cost of the scan-all engine, measured in
+  experiments/bench_attention.py):
   Delta-Search (THEORY 6.2) at TILE granularity. Keys are cut into blocks of
   ``Certified.block_size``; every block has a box summary (THEORY 3.3) that
   bounds the logit of each of its keys for each row of the tile (widened by
@@ -133,6 +137,8 @@ def kind_of(policy) -> str:
   if isinstance(policy, selection.FixedCount):
     return "count"
   if isinstance(policy, selection.Certified):
+    if isinstance(policy.search, selection.Auto):
+      return "search"  # the tile search; it scores every block where needed
     return "exact" if policy.search.scores_all else "search"
   raise TypeError(f"{policy=} is not a selection policy")
 

@@ -118,7 +118,7 @@ class SmokeRunTest(parameterized.TestCase):
     for r in record["prefill"]:
       dense = r["variants"]["dense"]
       self.assertLess(dense["max_abs_diff_vs_jax_nn"], 1e-4)
-      for var in ("certified", "certified_delta"):
+      for var in ("certified", "certified_exact", "certified_delta"):
         cert = r["variants"][var]["certificate"]
         self.assertLessEqual(cert["tv_bound_max"], 0.05)
         self.assertEqual(cert["valid_fraction"], 1.0)
