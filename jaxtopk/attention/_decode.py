@@ -89,11 +89,12 @@ BRACKET_BINS = 256  # bins of the certified bracket's column-mass histogram
 # cache: rows keeping more take the dense value product.
 CERTIFIED_CAPACITY = 1 / 32
 # Auto over a KVCache (``_codes_rows``): caches shorter than AUTO_MIN_KEYS
-# run the exact search; longer rows score AUTO_SAMPLE strided keys exactly
-# and take the key codes when the sample needs at most AUTO_THRESHOLD of its
-# keys for 1 - eps of its mass (experiments/bound_study.py: over the 72
-# MiniLM heads no head then costs more than the exact search plus the
-# sample, and the concentrated heads keep their saving).
+# run the exact search; longer rows estimate AUTO_SAMPLE strided keys'
+# logits from their codes and take the key-code path when the sample needs
+# at most AUTO_THRESHOLD of its keys for 1 - eps of its mass
+# (experiments/bound_study.py: over the 72 MiniLM heads no head then costs
+# more than the exact search plus the sample, and the concentrated heads
+# keep their saving).
 AUTO_MIN_KEYS = 1024
 AUTO_SAMPLE = 32
 AUTO_THRESHOLD = 0.6
@@ -641,12 +642,15 @@ def _one_row(row: KVCache) -> KVCache:
 
 
 def _sample_says_codes(policy, query, cache, scale):
-  """Auto's choice per (batch, kv head) row: does a strided exact sample of
+  """Auto's choice per (batch, kv head) row: does a strided sample of
   ``AUTO_SAMPLE`` keys look concentrated enough for the codes to pay?
 
-  The fraction of the sample needed to hold 1 - eps of the sample's mass
-  estimates k_eps / n; the codes pay when it is at most ``AUTO_THRESHOLD``
-  for some query of the row's group (measured: experiments/bound_study.py).
+  The sample's logits are estimated from their codes (the midpoint of the
+  code interval, a fraction of a logit off; the products cost their byte
+  share). The fraction of the sample needed to hold 1 - eps of the
+  sample's mass estimates k_eps / n; the codes pay when it is at most
+  ``AUTO_THRESHOLD`` for some query of the row's group (measured:
+  experiments/bound_study.py).
   Rows of fewer than ``AUTO_MIN_KEYS`` keys take the exact search without a
   sample. Only the choice of strategy depends on it; every certificate is
   computed from what was scored.
@@ -656,18 +660,20 @@ def _sample_says_codes(policy, query, cache, scale):
     int32 products the sample cost (0 where none was drawn).
   """
   m = AUTO_SAMPLE
-  _, q = _queries(query, cache)  # [b, hk, g, d]
+  q_in, q = _queries(query, cache)  # [b, hk, g, d]
   length = cache.length  # [b]
   pos = (jnp.arange(m, dtype=jnp.int32) * length[:, None]) // m  # [b, m]
-  ks = jax.vmap(lambda k, p: k[:, p])(cache.keys, pos)  # [b, hk, m, d]
-  s = jnp.einsum("bkgd,bkmd->bkgm", q, ks.astype(q.dtype), precision=_HIGHEST)
-  s = s * scale
+  codes = jax.vmap(lambda c, p: c[:, :, p])(cache.key_codes, pos)
+  expo = jax.vmap(lambda e, p: e[:, p])(cache.key_exponents, pos)
+  u, lo = key_codes.code_bounds(q_in, codes, expo, scale=scale)
+  s = 0.5 * (u + lo)  # [b, hk, g, m]: the code estimate of the logits
   p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
   p = -jnp.sort(-p / jnp.sum(p, -1, keepdims=True), axis=-1)
   need = jnp.sum(jnp.cumsum(p, -1) < 1 - policy.eps, -1) + 1  # [b, hk, g]
   long_row = (length >= AUTO_MIN_KEYS)[:, None]  # [b, 1]
   use = long_row & jnp.any(need <= AUTO_THRESHOLD * m, -1)  # NaN: False
-  extra = jnp.broadcast_to(jnp.where(long_row, m, 0), use.shape)
+  cost = key_codes.code_cost(m, q.shape[-1], cache.keys.dtype)
+  extra = jnp.broadcast_to(jnp.where(long_row, cost, 0), use.shape)
   return use, extra.astype(jnp.int32)
 
 
@@ -814,7 +820,7 @@ def _codes_rows(policy: Certified, query, cache: KVCache, scale):
   """Certified over the key codes; with ``Auto``, each row its own choice.
 
   ``bound='codes'``: every row runs ``_certified_codes``. ``Auto``: rows
-  whose exact sample (``_sample_says_codes``) says the codes do not pay,
+  whose sample (``_sample_says_codes``) says the codes do not pay,
   or that hold fewer than ``AUTO_MIN_KEYS`` keys, run the exact search and
   cost their keys plus the sample; the others run the codes. When every
   row of the batch makes the same choice the batch runs it at once; a

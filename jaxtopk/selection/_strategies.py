@@ -8,11 +8,11 @@ found, and carries the fields that only that search reads:
   sound strategy the backend has for the inputs. A backend that knows no
   cheaper one runs it as ``Exact`` (its capability is 'search=exact':
   whatever honours the exact search honours Auto); the XLA decode over a
-  ``KVCache`` bounds each key from its 8-bit code (``Codes``) where a small
-  exact sample says the row is concentrated enough to pay, the XLA prefill
-  runs Delta-Search at tile granularity and scores every key of a tile
-  where that does not pay. An explicitly named strategy is always run as
-  named.
+  ``KVCache`` or a content index bounds each key from its 8-bit code
+  (``Codes``) where a small sample of code estimates says the row is
+  concentrated enough to pay, the XLA prefill runs Delta-Search at tile
+  granularity and scores every key of a tile where that does not pay. An
+  explicitly named strategy is always run as named.
 - ``Exact(block_size)``: every logit scored, minimal certified set by
   threshold search (THEORY 6.1).
 - ``DeltaSearch(block_size, bound)``: blocks scored in order of an upper

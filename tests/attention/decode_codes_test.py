@@ -129,8 +129,10 @@ class AutoDecodeTest(parameterized.TestCase):
     q = np.float32(np.stack([rng.normal(size=d) * 1e-3, k[7] * 8.0]))
     out, cert = self._decode(q, k)
     scored = np.asarray(cert.keys_scored[0, 0])
-    # Flat: the exact search (every key) plus the 32-key sample.
-    self.assertEqual(int(scored[0]), self.N + _decode.AUTO_SAMPLE)
+    # Flat: the exact search (every key) plus the codes of the 32-key
+    # sample that chose it.
+    sample = int(key_codes.code_cost(_decode.AUTO_SAMPLE, 8, jnp.float32))
+    self.assertEqual(int(scored[0]), self.N + sample)
     self.assertLess(int(scored[1]), self.N // 2)
     policy = jaxtopk.Certified(0.05)
     _check_row(self, out, cert, q, k, self.N, policy, jnp.float32)
