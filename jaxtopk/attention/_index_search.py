@@ -35,7 +35,7 @@ several logits above; the code products cost their byte share
   ``Auto``) and ``Certified(eps, 'delta', bound='codes')``: the groups are
   bounded by their codes alone (no ball read) and searched in rounds of
   about 1/64 of the keys (``_codes_search``); ``Auto`` picks per row
-  between that and scoring every key, from a strided exact sample
+  between that and scoring every key, from a strided sample of code estimates
   (``_index_sample``, the rule of the decode over a KVCache).
 - ``decode_attention(query, index, policy=Certified(eps, 'delta'))``:
   starts from nothing. 'mc' replaces n_g e^{u_g} by the Hoeffding bound
@@ -756,8 +756,9 @@ def _codes_decode(query, index, policy, scale):
   Each row bounds its groups by the sum of their members' code bounds and
   searches them in rounds (``_codes_search``). ``Auto`` (on indexes of at
   least ``AUTO_MIN_KEYS`` positions; shorter ones take the exact search)
-  first scores a strided sample of ``AUTO_SAMPLE`` stored keys of every
-  row exactly (the rule of the decode over a KVCache): a row that does not
+  first estimates a strided sample of ``AUTO_SAMPLE`` stored keys of
+  every row from their codes (the rule of the decode over a KVCache): a
+  row that does not
   look concentrated enough for the codes to pay scores every group
   instead, and costs its keys plus the sample (when no row of the call
   does, the exact search runs); ``max_topk`` (which the group search does
@@ -901,29 +902,28 @@ def _codes_search(query, index, use, eps, *, scale):
 @functools.partial(jax.jit, static_argnames=("eps", "scale"))
 def _index_sample(query, index, eps, scale):
   """``[b, 1, h]`` (the row's kv head looks concentrated enough for the
-  codes, the sample's cost) from ``AUTO_SAMPLE`` strided stored keys of
-  each row (positions j len / m)."""
+  codes, the sample's cost) from the codes of ``AUTO_SAMPLE`` strided
+  stored keys of each row (positions j len / m; ``_decode``'s rule)."""
   from jaxtopk.attention import _decode
 
   m = _decode.AUTO_SAMPLE
   b, _, h, d = query.shape
-  dt = _dtype(query, index)
-  q, _ = _split_heads(query, index, dt)  # [b, hk, g, d]
-  hk = q.shape[1]
+  hk = index.keys.shape[1]
+  qg = query.reshape(b, hk, h // hk, d)
   ln = index.length  # [b]
   pos = (jnp.arange(m, dtype=jnp.int32) * ln[:, None]) // m  # [b, m]
-  slot = jnp.take_along_axis(index.slot, pos[:, None, :], -1)  # [b, hk, m]
-  keys = index.keys.reshape(b, hk, -1, d)
-  ks = jnp.take_along_axis(keys, jnp.maximum(slot, 0)[..., None], 2)
-  s = jnp.einsum("bkgd,bkmd->bkgm", q, ks.astype(dt)) * scale
-  s = jnp.where((slot >= 0)[:, :, None], s, -jnp.inf)
+  codes = jax.vmap(lambda c, p: c[:, :, p])(index.key_codes, pos)
+  expo = jax.vmap(lambda e, p: e[:, p])(index.key_exponents, pos)
+  u, lo = key_codes.code_bounds(qg, codes, expo, scale=scale)
+  s = 0.5 * (u + lo)  # [b, hk, g, m]: the code estimate of the logits
   p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
   p = -jnp.sort(-p / jnp.sum(p, -1, keepdims=True), axis=-1)  # decreasing
   need = jnp.sum(jnp.cumsum(p, -1) < 1 - eps, -1) + 1
   long_row = (ln >= _decode.AUTO_MIN_KEYS)[:, None, None]
   use = long_row & (need <= _decode.AUTO_THRESHOLD * m)
   use = jnp.any(use, -1, keepdims=True) & jnp.ones_like(use)  # per kv head
-  extra = jnp.broadcast_to(jnp.where(long_row, m, 0), use.shape)
+  cost = key_codes.code_cost(m, d, index.keys.dtype)
+  extra = jnp.broadcast_to(jnp.where(long_row, cost, 0), use.shape)
   return use.reshape(b, 1, h), extra.reshape(b, 1, h).astype(jnp.int32)
 
 
