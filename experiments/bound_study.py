@@ -110,36 +110,38 @@ def _rope(x, pos, base=10000.0):
 def llm_like_cache(seed, n, d, num_queries):
   """Synthetic heads of the kinds LLM caches hold, rotary positions.
 
-  Heads: ``sink`` (most mass on 4 sink keys, the rest flat), ``local``
-  (RoPE locality: logits fall with the distance to the query), ``sink_local``
-  (both), ``retrieval`` (the query matches a few far keys of one topic),
-  ``rotary_flat`` (random rotary q, k: flat attention).
+  Every key and query is a rotary (RoPE) vector plus noise; on top:
+  ``sink`` (4 sink keys that every query favours by ~14 logits, the
+  StreamingLLM pattern), ``local`` (the RoPE content peaks at the query's
+  own position and falls with the distance: a local head), ``sink_local``
+  (both), ``retrieval`` (24 keys scattered through the cache share a topic
+  the query asks for, ~10 logits up), ``rotary_flat`` (nothing on top:
+  flat attention). Sink and topic directions are added after the rotation
+  (position-free components).
   """
   rng = np.random.default_rng(seed)
   pos = np.arange(n, dtype=np.float64)
   qpos = np.arange(n - num_queries, n, dtype=np.float64)
   heads, labels = [], []
-  base = rng.normal(size=(n, d))
+  scale = 1 / np.sqrt(d)
   for kind in ("sink", "local", "sink_local", "retrieval", "rotary_flat"):
-    k = base.copy() * 0.6
-    q = rng.normal(size=(num_queries, d)) * 0.6
-    if kind in ("local", "sink_local"):
-      u = rng.normal(size=d) / np.sqrt(d) * 5
-      k = _rope(np.broadcast_to(u, (n, d)), pos) + 0.4 * rng.normal(size=(n, d))
-      q = 2.5 * _rope(np.broadcast_to(u, (num_queries, d)), qpos)
+    k = _rope(rng.normal(size=(n, d)) * 0.5, pos)
+    q = _rope(rng.normal(size=(num_queries, d)) * 0.5, qpos)
+    if kind in ("local", "sink_local"):  # the local_window_cache pattern
+      u = rng.normal(size=d) / np.sqrt(d) * 4
+      k = k + _rope(np.broadcast_to(u, (n, d)), pos)
+      q = q + 10.0 * _rope(np.broadcast_to(u, (num_queries, d)), qpos)
     if kind in ("sink", "sink_local"):
-      e = np.zeros(d)
-      e[0] = 1.0
+      e = rng.normal(size=d)
+      e /= np.linalg.norm(e)
       k[:4] += 8.0 * e
-      q = q + 2.0 * e
+      q = q + 14.0 / (8.0 * scale) * e
     if kind == "retrieval":
       topic = rng.normal(size=d)
+      topic /= np.linalg.norm(topic)
       at = rng.choice(n - num_queries, 24, replace=False)
-      k[at] += 1.5 * topic
-      q = q + 1.5 * topic / np.sqrt(d) * 3
-    if kind != "local":
-      k = _rope(k, pos)
-      q = _rope(q, qpos)
+      k[at] += 4.0 * topic
+      q = q + 10.0 / (4.0 * scale) * topic
     heads.append((k, q))
     labels.append(kind)
   v = rng.normal(size=(len(heads), n, d))
@@ -148,7 +150,7 @@ def llm_like_cache(seed, n, d, num_queries):
     keys=np.asarray([h[0] for h in heads], np.float32),
     values=np.asarray(v, np.float32),
     queries=np.asarray([h[1] for h in heads], np.float32),
-    scale=1 / np.sqrt(d),
+    scale=scale,
     note=(
       f"synthetic rotary heads (sink, local, sink_local, retrieval,"
       f" rotary_flat), n {n}, d {d}; queries at the last {num_queries}"
