@@ -37,7 +37,8 @@ tied keys left out.
 
 Certified(search='delta'|'mc') scores cache blocks in the order of their
 box bounds and stops by the THEORY 6.2 rule (``keys_scored`` reports the
-products needed). Every strategy honours ``Certified.max_topk``.
+products needed, and 2 key-equivalents per block for the box read). Every
+strategy honours ``Certified.max_topk``.
 """
 
 import dataclasses
@@ -581,6 +582,7 @@ def _certified_search(policy: Certified, st: _Step, rng):
     eps=policy.eps,
     scale=st.scale,
     max_topk=policy.max_topk,
+    block_summary_keys=2,  # the block's box: 2 d floats
   )
   # q [b,hk,g,d], keys [b,hk,n,d], valid [b,n], u/cnt [b,hk,g,nb],
   # delta [b,hk,g], rng [b,hk,g], norms [b,hk,n].

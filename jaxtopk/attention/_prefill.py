@@ -570,6 +570,10 @@ def _search_tile(c, i):
     )
     unscored = vis_blk & ~scored_blk[:, :, None, None, :]
     part = part.add_tail(log_mass, unscored, norms=norms)
+    # THEORY 6.4: each row read the boxes of the blocks it sees (2 keys'
+    # bytes each) to bound them.
+    n_box = 2 * jnp.sum(vis_blk, -1, dtype=jnp.int32)
+    part = dataclasses.replace(part, keys_scored=part.keys_scored + n_box)
     full = None
     if c.return_keep:
       cols = jnp.broadcast_to(key_pos(idx)[:, :, None, None, :], keep.shape)
