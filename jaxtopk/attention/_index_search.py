@@ -691,9 +691,10 @@ def index_decode_attention(
       f"{implementation=} is not available for an IndexedKVCache; use None"
       " or 'xla'"
     )
-  certified = isinstance(policy, selection.Certified)
-  by_codes = certified and _index_by_codes(policy)
-  searching = certified and policy.search.name in ("delta", "mc")
+  by_codes = isinstance(policy, selection.Certified) and _index_by_codes(policy)
+  searching = isinstance(policy, selection.Certified) and (
+    policy.search.name in ("delta", "mc")
+  )
   if by_codes:
     policy.require(
       _BACKEND,
