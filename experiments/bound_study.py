@@ -637,7 +637,11 @@ def _tables(wd, results):
           tv_codes_mean=float(tvc.mean()),
           tv_ball_mean=float(tvb.mean()),
           held=float(np.mean(tau <= 0.05)),
-          goal=float(np.mean((tvc <= 2 * tau + 0.01) | (tau > 0.05))),
+          goal=(
+            float(np.mean((tvc <= 2 * tau + 0.01)[tau <= 0.05]))
+            if np.any(tau <= 0.05)
+            else float("nan")
+          ),
           sound=float(np.mean([x["sound"] for x in ws])),
         )
       )
@@ -645,6 +649,7 @@ def _tables(wd, results):
       "\ncertify_selection (library) of the windows: mean tau and tv"
       " (codes: the default; ball: codes=False); held = rows where the window"
       " holds >= 95%; goal = fraction of those rows with tv <= 2 tau + 0.01"
+      " (nan: none)"
     )
     lines.append(
       _common.format_table(

@@ -903,8 +903,8 @@ def _codes_search(query, index, use, eps, *, scale):
 @functools.partial(jax.jit, static_argnames=("eps", "scale"))
 def _index_sample(query, index, eps, scale):
   """``[b, 1, h]`` (the row's kv head looks concentrated enough for the
-  codes, the sample's cost) from the codes of ``AUTO_SAMPLE`` strided
-  stored keys of each row (positions j len / m; ``_decode``'s rule)."""
+  codes, the sample's cost) from the codes of ``AUTO_SAMPLE`` stored keys
+  of each row (``_decode.auto_sample_positions``; ``_decode``'s rule)."""
   from jaxtopk.attention import _decode
 
   m = _decode.AUTO_SAMPLE
@@ -912,7 +912,7 @@ def _index_sample(query, index, eps, scale):
   hk = index.keys.shape[1]
   qg = query.reshape(b, hk, h // hk, d)
   ln = index.length  # [b]
-  pos = (jnp.arange(m, dtype=jnp.int32) * ln[:, None]) // m  # [b, m]
+  pos = _decode.auto_sample_positions(ln, m)  # [b, m]
   codes = jax.vmap(lambda c, p: c[:, :, p])(index.key_codes, pos)
   expo = jax.vmap(lambda e, p: e[:, p])(index.key_exponents, pos)
   u, lo = key_codes.code_bounds(qg, codes, expo, scale=scale)
