@@ -90,16 +90,14 @@ BRACKET_BINS = 256  # bins of the certified bracket's column-mass histogram
 # cache: rows keeping more take the dense value product.
 CERTIFIED_CAPACITY = 1 / 32
 # Auto over a KVCache (``_codes_rows``): caches shorter than AUTO_MIN_KEYS
-# run the exact search; longer rows estimate AUTO_SAMPLE keys' logits
-# (strided, plus the most recent) from their codes and take the key-code
-# path when the sample needs
+# run the exact search; longer rows estimate AUTO_SAMPLE strided keys'
+# logits from their codes and take the key-code path when the sample needs
 # at most AUTO_THRESHOLD of its keys for 1 - eps of its mass
 # (experiments/bound_study.py: over the 72 MiniLM heads no head then costs
 # more than the exact search plus the sample, and the concentrated heads
 # keep their saving).
 AUTO_MIN_KEYS = 1024
 AUTO_SAMPLE = 32
-AUTO_RECENT = 8  # of the sample: the most recent positions
 AUTO_THRESHOLD = 0.6
 # The key-code path: candidates compacted into n / CODES_SMALL slots (or
 # n when more), their keys and values gathered CODES_CHUNK at a time.
@@ -646,15 +644,11 @@ def _one_row(row: KVCache) -> KVCache:
 
 
 def auto_sample_positions(length, m):
-  """``[b, m]`` positions of Auto's sample: ``m - AUTO_RECENT`` strided
-  over the filled positions (the first ones, where attention sinks sit,
-  included) and the last ``AUTO_RECENT`` (where a local head's mass sits,
-  which a strided sample misses)."""
-  r = min(AUTO_RECENT, m // 2)
-  j = jnp.arange(m - r, dtype=jnp.int32)
-  strided = (j * length[:, None]) // (m - r)
-  recent = jnp.maximum(length[:, None] - r + jnp.arange(r, dtype=jnp.int32), 0)
-  return jnp.concatenate([strided, recent], -1)
+  """``[b, m]`` positions of Auto's sample: ``j length / m``, j < m (the
+  first position, where attention sinks sit, included). Adding the most
+  recent positions was measured worse (experiments/bound_study: a
+  retrieval head's few far keys were missed more often)."""
+  return (jnp.arange(m, dtype=jnp.int32) * length[:, None]) // m
 
 
 def _sample_says_codes(policy, query, cache, scale):
