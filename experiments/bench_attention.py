@@ -20,9 +20,11 @@ Parts (``config.parts``; each writes its own rows, so parts can be added):
     bidirectional (not causal) with the padding mask.
 
   Variants: ``jax_nn`` (the reference of the ratios), ``einsum``, our
-  ``Dense()``, ``FixedK(seq // 16)``, ``Certified(eps)`` (exact search:
-  every key scored) and ``Certified(eps, search='delta')`` (key blocks
-  skipped under box bounds).
+  ``Dense()``, ``FixedK(seq // 16)``, ``Certified(eps)`` (the default,
+  ``Auto``: the tile search, which scores every block where the bounds
+  cannot rule it out), ``Certified(eps, search='exact')`` (every key
+  scored) and ``Certified(eps, search='delta')`` (key blocks skipped under
+  box bounds).
 - ``memory``: peak resident memory (``ru_maxrss``) of one causal
   ``Certified(eps, search=...)`` prefill of ``[1, seq, heads, head_dim]``,
   each in a fresh subprocess (compile included), with its time.
@@ -144,7 +146,8 @@ def prefill_variants(seq, eps):
     "einsum": None,
     "dense": jaxtopk.Dense(),
     "fixed_k": jaxtopk.FixedK(max(1, seq // 16)),
-    "certified": jaxtopk.Certified(eps),
+    "certified": jaxtopk.Certified(eps),  # the default: Auto
+    "certified_exact": jaxtopk.Certified(eps, search="exact"),
     "certified_delta": jaxtopk.Certified(eps, search="delta"),
   }
 

@@ -14,7 +14,12 @@ jax.lax.top_k + gather, at 8 heads, head_dim 128, rho = 1/64, n = 16,384 and
              (``jaxtopk.attention._decode.topk_indices``: no values, no
              certificate), to show where the time beyond the floor goes
 - cert_peaked: decode_attention(policy=Certified(0.05)) on peaked rows
-             (query scaled so the logits have std ~4: ~1% of keys kept)
+             (query scaled so the logits have std ~4: ~1% of keys kept);
+             the default search (Auto): the key-code path (THEORY 3.5)
+             where a sample of code estimates says the row is concentrated
+- cert_exact_peaked: the same rows with Certified(0.05, 'exact') (every
+             logit computed; its kept set is the oracle's, up to one
+             histogram bin)
 - cert_flat: the same on flat rows (logit std ~0.1: most keys kept, the
              dense fallback); goal: never above ``dense``
 
@@ -44,6 +49,7 @@ VARIANTS = (
   "jaxtopk",
   "jaxtopk_select",
   "cert_peaked",
+  "cert_exact_peaked",
   "cert_flat",
 )
 
@@ -94,10 +100,15 @@ def bench(n, *, heads, head_dim, rho, repeats):
     return _decode.topk_indices(s, count, valid, topk)
 
   certified = jaxtopk.Certified(0.05)
+  exact = jaxtopk.Certified(0.05, "exact")
 
   @jax.jit
   def cert_fn(q, cache):
     return jaxtopk.decode_attention(q, cache, policy=certified)
+
+  @jax.jit
+  def exact_fn(q, cache):
+    return jaxtopk.decode_attention(q, cache, policy=exact)
 
   # Logit std = |q| / sqrt(d) * |k| ~ 1 for normal q, k: peaked x4, flat x0.1.
   q_peaked, q_flat = 4.0 * q, 0.1 * q
@@ -112,6 +123,7 @@ def bench(n, *, heads, head_dim, rho, repeats):
         jaxtopk=(ours, (q, cache)),
         jaxtopk_select=(select_only, (qh, keys, cache)),
         cert_peaked=(cert_fn, (q_peaked, cache)),
+        cert_exact_peaked=(exact_fn, (q_peaked, cache)),
         cert_flat=(cert_fn, (q_flat, cache)),
       ),
       repeats=repeats,
@@ -122,9 +134,14 @@ def bench(n, *, heads, head_dim, rho, repeats):
   ref = lax_topk(qh, keys, values)
   res["max_abs_diff_vs_lax_topk"] = float(jnp.max(jnp.abs(out[:, 0] - ref)))
   res["tv_bound_mean"] = float(jnp.mean(cert.tv_bound))
-  for which, qq in (("peaked", q_peaked), ("flat", q_flat)):
-    _, c = cert_fn(qq, cache)
+  for which, fn, qq in (
+    ("peaked", cert_fn, q_peaked),
+    ("exact_peaked", exact_fn, q_peaked),
+    ("flat", cert_fn, q_flat),
+  ):
+    _, c = fn(qq, cache)
     res[f"cert_{which}_k_kept_mean"] = float(jnp.mean(c.k_kept))
+    res[f"cert_{which}_keys_scored_mean"] = float(jnp.mean(c.keys_scored))
     res[f"cert_{which}_tv_bound_max"] = float(jnp.max(c.tv_bound))
     res[f"cert_{which}_valid"] = bool(jnp.all(c.valid))
   for name in VARIANTS:

@@ -21,9 +21,11 @@ from jaxtopk.attention import kv_index_from_cache
 from jaxtopk.attention import kv_index_update
 from jaxtopk.attention import rebuild_kv_index
 from jaxtopk.attention import topk_attention
+from jaxtopk.selection import Auto
 from jaxtopk.selection import Box
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Certified
+from jaxtopk.selection import Codes
 from jaxtopk.selection import DeltaSearch
 from jaxtopk.selection import Dense
 from jaxtopk.selection import Exact

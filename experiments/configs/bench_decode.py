@@ -14,7 +14,7 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """Default config, or the ``smoke`` variant when ``arg == 'smoke'``."""
   c = ml_collections.ConfigDict()
-  c.sizes = (16384, 131072)  # cached keys n of the decode step
+  c.sizes = (16384, 65536, 131072)  # cached keys n of the decode step
   c.heads = 8  # heads (= kv heads)
   c.head_dim = 128  # head dimension
   c.rho = 1 / 64  # kept fraction of jaxtopk.Ratio and of lax.top_k

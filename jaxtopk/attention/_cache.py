@@ -13,7 +13,11 @@ a plain norm): each value's norm (``value_norms``, computed once when the
 step is appended; the certificate reduces it over the kept and dropped keys)
 and, per row, the largest |k_c| per dimension, the largest key norm and
 whether a key holds subnormal components (the inputs of
-``core.logit_error_bound``), all running maxima updated in O(steps).
+``core.logit_error_bound``), all running maxima updated in O(steps). And
+each key's 8-bit code (THEORY 3.5, ``selection.key_codes``): the exponent
+and int8 components from which a decode step bounds every key's logit at a
+quarter of the bytes of the keys (float32), stored d-major so that the code
+products read each component row once; encoded once per appended step.
 """
 
 import dataclasses
@@ -23,6 +27,7 @@ import jax.numpy as jnp
 
 from jaxtopk.attention import checks
 from jaxtopk.selection import core
+from jaxtopk.selection import key_codes
 from jaxtopk.theory import BoxSummary
 
 
@@ -54,6 +59,10 @@ class KVCache:
     vmax: ``[batch, kv_heads]`` float32 largest ``value_norms`` over the
       filled values (NaN if one is NaN; 0 when empty): a bound on the norm
       of any dropped value.
+    key_codes: ``[batch, kv_heads, head_dim, max_len]`` int8 codes of the
+      filled keys, d-major (``key_codes.encode_keys``; 0 when empty).
+    key_exponents: ``[batch, kv_heads, max_len]`` their exponents (int8;
+      int16 for float64 keys): |k_c - 2^e c| <= 2^(e - 1).
     block_size: static positions per block; max_len is a multiple of it.
   """
 
@@ -68,6 +77,8 @@ class KVCache:
   knorm: jax.Array
   kflushed: jax.Array
   vmax: jax.Array
+  key_codes: jax.Array
+  key_exponents: jax.Array
   block_size: int = dataclasses.field(metadata=dict(static=True))
 
   @property
@@ -156,6 +167,8 @@ def init_kv_cache(
     knorm=jnp.zeros(bh, sdt),
     kflushed=jnp.zeros(bh, bool),
     vmax=jnp.zeros(bh, sdt),
+    key_codes=jnp.zeros((*bh, head_dim, max_len), jnp.int8),
+    key_exponents=jnp.zeros((*bh, max_len), key_codes.exponent_dtype(dtype)),
     block_size=block_size,
   )
 
@@ -235,10 +248,15 @@ def _update(cache, key, value, num_steps):
   value_norms = cache.value_norms.at[bi, :, pos].set(vn, mode="drop")
   # Running key summaries over the written steps only ([b, st, h, ...]).
   real = (pos < cache.max_len)[:, :, None]  # [b, st, 1]
-  kabs = jnp.max(jnp.where(real[..., None], jnp.abs(k32), 0.0), axis=1)
-  kn = jnp.max(jnp.where(real, core.norms_up(key), 0.0), axis=1)  # [b, h]
+  # core.max_nan: a NaN key or value must reach the running summaries.
+  kabs = core.max_nan(jnp.where(real[..., None], jnp.abs(k32), 0.0), axis=1)
+  kn = core.max_nan(jnp.where(real, core.norms_up(key), 0.0), axis=1)
   kf = jnp.any(real & core.flushed(key), axis=1)  # [b, h]
-  vm = jnp.max(jnp.where(real, vn, 0.0), axis=1)  # [b, h], NaN propagates
+  vm = core.max_nan(jnp.where(real, vn, 0.0), axis=1)  # [b, h]
+  codes, expo = key_codes.encode_keys(key)  # [b, st, h, d], [b, st, h]
+  # d-major codes: the update [b, st, h, d] goes to [b, h, d, pos].
+  codes = cache.key_codes.at[bi, :, :, pos].set(codes, mode="drop")
+  expo = cache.key_exponents.at[bi, :, pos].set(expo, mode="drop")
   length = jnp.minimum(cache.length + num_steps, cache.max_len)
   return dataclasses.replace(
     cache,
@@ -253,6 +271,8 @@ def _update(cache, key, value, num_steps):
     knorm=_nan_max(cache.knorm, kn.astype(cache.knorm.dtype)),
     kflushed=cache.kflushed | kf,
     vmax=_nan_max(cache.vmax, vm),
+    key_codes=codes,
+    key_exponents=expo,
   )
 
 

@@ -37,7 +37,8 @@ tied keys left out.
 
 Certified(search='delta'|'mc') scores cache blocks in the order of their
 box bounds and stops by the THEORY 6.2 rule (``keys_scored`` reports the
-products needed). Every strategy honours ``Certified.max_topk``.
+products needed, and 2 key-equivalents per block for the box read). Every
+strategy honours ``Certified.max_topk``.
 """
 
 import dataclasses
@@ -50,14 +51,18 @@ from jax import lax
 
 from jaxtopk.attention import checks
 from jaxtopk.attention._cache import KVCache
+from jaxtopk.selection import Auto
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Certified
+from jaxtopk.selection import Codes
+from jaxtopk.selection import DeltaSearch
 from jaxtopk.selection import Dense
 from jaxtopk.selection import FixedCount
 from jaxtopk.selection import Policy
 from jaxtopk.selection import box_upper_bound_dot
 from jaxtopk.selection import capabilities
 from jaxtopk.selection import core
+from jaxtopk.selection import key_codes
 from jaxtopk.selection import search_row_partial
 from jaxtopk.selection import threshold
 
@@ -73,6 +78,7 @@ SUPPORTS = capabilities(
   "search=delta",
   "search=mc",
   "bound=box",
+  "bound=codes",
   "max_topk",
 )
 _BACKEND = "decode_attention(implementation='xla')"
@@ -83,6 +89,20 @@ BRACKET_BINS = 256  # bins of the certified bracket's column-mass histogram
 # Static gather capacity of Certified(eps) (kept keys), as a fraction of the
 # cache: rows keeping more take the dense value product.
 CERTIFIED_CAPACITY = 1 / 32
+# Auto over a KVCache (``_codes_rows``): caches shorter than AUTO_MIN_KEYS
+# run the exact search; longer rows estimate AUTO_SAMPLE strided keys'
+# logits from their codes and take the key-code path when the sample needs
+# at most AUTO_THRESHOLD of its keys for 1 - eps of its mass
+# (experiments/bound_study.py: over the 72 MiniLM heads no head then costs
+# more than the exact search plus the sample, and the concentrated heads
+# keep their saving).
+AUTO_MIN_KEYS = 1024
+AUTO_SAMPLE = 32
+AUTO_THRESHOLD = 0.6
+# The key-code path: candidates compacted into n / CODES_SMALL slots (or
+# n when more), their keys and values gathered CODES_CHUNK at a time.
+CODES_SMALL = 8
+CODES_CHUNK = 1024
 _HIGHEST = core.PRECISION  # full float32 products (the bounds assume it)
 
 DECODE_IMPLEMENTATIONS: dict[str | None, Callable] = {}
@@ -126,25 +146,40 @@ class _Step:
     return jnp.broadcast_to(self.valid, self.s.shape)
 
 
-def _step(query, cache, scale) -> _Step:
+def _queries(query, cache):
+  """(query ``[b, hk, g, d]`` as given, in the compute dtype)."""
   b, _, h, d = query.shape
   hk = cache.keys.shape[1]
-  g = h // hk
   dt = core.compute_dtype(jnp.result_type(query.dtype, cache.keys.dtype))
-  q_in = query.reshape(b, hk, g, d)  # [b, hk, g, d], input dtype
-  q = q_in.astype(dt)
-  k = cache.keys.astype(dt)  # [b, hk, n, d] head-major
-  s = jnp.einsum("bkgd,bknd->bkgn", q, k, precision=_HIGHEST) * scale
+  q_in = query.reshape(b, hk, h // hk, d)  # [b, hk, g, d], input dtype
+  return q_in, q_in.astype(dt)
+
+
+def _logit_error(q_in, q, cache, scale):
+  """``[b, hk, g]`` delta of the computed logits (``core``), from the
+  cache's running key summaries."""
   abs_dot = core.abs_dot_box(q, cache.kabs[:, :, None, :])[..., 0]  # [b,hk,g]
-  delta = core.logit_error_bound(
+  return core.logit_error_bound(
     q_norm=core.norms_up(q_in),
     k_norm=cache.knorm[..., None],
-    head_dim=d,
+    head_dim=q.shape[-1],
     scale=scale,
     abs_dot=abs_dot,
     q_flushed=core.flushed(q_in),
     k_flushed=cache.kflushed[..., None],
   )
+
+
+def _step(query, cache, scale, s=None) -> _Step:
+  """The arrays of a step; ``s`` given: the logits are not computed (the
+  key-code path passes its upper bounds, of which only the shape is read
+  by the finishing helpers)."""
+  q_in, q = _queries(query, cache)
+  dt = q.dtype
+  if s is None:
+    k = cache.keys.astype(dt)  # [b, hk, n, d] head-major
+    s = jnp.einsum("bkgd,bknd->bkgn", q, k, precision=_HIGHEST) * scale
+  delta = _logit_error(q_in, q, cache, scale)
   valid = cache.valid()[:, :, None]  # [b, 1, 1, n]
   n_valid = jnp.broadcast_to(cache.length[:, None, None], s.shape[:-1])
   return _Step(
@@ -260,8 +295,10 @@ def _below(st: _Step, below, group, row_ok):
   return dataclasses.replace(part, head_norm=zero, tail_norm=vmax)
 
 
-def _finish(st: _Step, part, *, failure_prob=0.0):
-  part = dataclasses.replace(part, keys_scored=st.n_valid)
+def _finish(st: _Step, part, *, failure_prob=0.0, keys_scored=None):
+  if keys_scored is None:
+    keys_scored = st.n_valid
+  part = dataclasses.replace(part, keys_scored=keys_scored)
   n = st.s.shape[-1]
   return part.finalize(
     n_terms=2 * n, failure_prob=failure_prob, scale_ok=st.scale_ok
@@ -312,8 +349,9 @@ def _compact_ge(st: _Step, lo, cap, group):
   return threshold.mask_indices(ge, cap, group=group)
 
 
-def _finish_candidates(st: _Step, c: _Candidates, kept, capacity):
-  """Certificate and output of ``kept`` ``[b, hk, g, cap]`` candidates."""
+def _finish_candidates(st: _Step, c: _Candidates, kept, capacity, **kw):
+  """Certificate and output of ``kept`` ``[b, hk, g, cap]`` candidates
+  (``kw``: ``_finish``'s)."""
   kidx, kok, _ = threshold.mask_indices(kept, capacity, strided=False)
   pos = jnp.take_along_axis(c.idx, kidx, -1)  # [b, hk, g, K] positions
   vals = _gather_values(st.cache.values, pos)  # [b, hk, g, K, dv]
@@ -333,7 +371,7 @@ def _finish_candidates(st: _Step, c: _Candidates, kept, capacity):
     value_norms=c.vn,
     keys_scored=0,
   )
-  return _finish(st, core.merge(head, c.below))
+  return _finish(st, core.merge(head, c.below), **kw)
 
 
 def _tie_break(s, ok, thresh, n_above, need_total):
@@ -545,6 +583,7 @@ def _certified_search(policy: Certified, st: _Step, rng):
     eps=policy.eps,
     scale=st.scale,
     max_topk=policy.max_topk,
+    block_summary_keys=2,  # the block's box: 2 d floats
   )
   # q [b,hk,g,d], keys [b,hk,n,d], valid [b,n], u/cnt [b,hk,g,nb],
   # delta [b,hk,g], rng [b,hk,g], norms [b,hk,n].
@@ -571,17 +610,289 @@ def _certified_search(policy: Certified, st: _Step, rng):
   )
 
 
+# ------------------------------------------------------------- key codes
+
+
+def _by_codes(policy: Certified, cache: KVCache) -> bool:
+  """Whether the key-code path runs (statically): ``bound='codes'``, or
+  ``Auto`` over a cache of at least ``AUTO_MIN_KEYS`` positions."""
+  if isinstance(policy.search, Auto):
+    return cache.max_len >= AUTO_MIN_KEYS
+  return isinstance(policy.search, DeltaSearch) and isinstance(
+    policy.search.bound, Codes
+  )
+
+
+def _rows(cache: KVCache) -> KVCache:
+  """The cache with ``[batch * kv_heads]`` leading rows (``length`` per
+  row), for ``lax.map``."""
+  b, hk = cache.keys.shape[:2]
+
+  def flat(x):
+    return x.reshape(b * hk, *x.shape[2:])
+
+  rows = jax.tree.map(flat, dataclasses.replace(cache, length=cache.kflushed))
+  length = jnp.repeat(cache.length, hk)
+  return dataclasses.replace(rows, length=length)
+
+
+def _one_row(row: KVCache) -> KVCache:
+  """A ``lax.map`` slice of ``_rows`` as a cache of batch 1, one kv head."""
+  cache = jax.tree.map(
+    lambda x: x[None, None], dataclasses.replace(row, length=row.kflushed)
+  )
+  return dataclasses.replace(cache, length=row.length[None])
+
+
+def auto_sample_positions(length, m):
+  """``[b, m]`` positions of Auto's sample: ``j length / m``, j < m (the
+  first position, where attention sinks sit, included). Adding the most
+  recent positions was measured worse (experiments/bound_study: a
+  retrieval head's few far keys were missed more often)."""
+  return (jnp.arange(m, dtype=jnp.int32) * length[:, None]) // m
+
+
+def _sample_says_codes(policy, query, cache, scale):
+  """Auto's choice per (batch, kv head) row: does a strided sample of
+  ``AUTO_SAMPLE`` keys look concentrated enough for the codes to pay?
+
+  The sample's logits are estimated from their codes (the midpoint of the
+  code interval, a fraction of a logit off; the products cost their byte
+  share). The fraction of the sample needed to hold 1 - eps of the
+  sample's mass estimates k_eps / n; the codes pay when it is at most
+  ``AUTO_THRESHOLD`` for some query of the row's group (measured:
+  experiments/bound_study.py).
+  Rows of fewer than ``AUTO_MIN_KEYS`` keys take the exact search without a
+  sample. Only the choice of strategy depends on it; every certificate is
+  computed from what was scored.
+
+  Returns:
+    ``(use, extra)``: ``[b, hk]`` bool (take the codes) and ``[b, hk]``
+    int32 products the sample cost (0 where none was drawn).
+  """
+  m = AUTO_SAMPLE
+  q_in, q = _queries(query, cache)  # [b, hk, g, d]
+  length = cache.length  # [b]
+  pos = auto_sample_positions(length, m)  # [b, m]
+  codes = jax.vmap(lambda c, p: c[:, :, p])(cache.key_codes, pos)
+  expo = jax.vmap(lambda e, p: e[:, p])(cache.key_exponents, pos)
+  u, lo = key_codes.code_bounds(q_in, codes, expo, scale=scale)
+  s = 0.5 * (u + lo)  # [b, hk, g, m]: the code estimate of the logits
+  p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
+  p = -jnp.sort(-p / jnp.sum(p, -1, keepdims=True), axis=-1)
+  need = jnp.sum(jnp.cumsum(p, -1) < 1 - policy.eps, -1) + 1  # [b, hk, g]
+  long_row = (length >= AUTO_MIN_KEYS)[:, None]  # [b, 1]
+  use = long_row & jnp.any(need <= AUTO_THRESHOLD * m, -1)  # NaN: False
+  cost = key_codes.code_cost(m, q.shape[-1], cache.keys.dtype)
+  extra = jnp.broadcast_to(jnp.where(long_row, cost, 0), use.shape)
+  return use, extra.astype(jnp.int32)
+
+
+def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
+  """Certified(eps) of every row from the key codes (THEORY 3.5).
+
+  Bounds l <= s <= u of every key from its code (``key_codes``); the
+  candidates are the keys with u >= t, t the largest threshold whose
+  unscored mass sum_{u < t} e^u fits eps sum e^l (<= eps Z); they are
+  gathered and scored exactly, the kept set is the fewest of them meeting
+  eps with the unscored bound as extra tail, and the certificate is the
+  core's: the scored candidates plus sum_{u < t} e^{u_i} in the tail. A
+  row whose finished bound exceeds eps (rounding past the margins) takes
+  the exact path (``keys_scored`` then counts the codes and every key).
+
+  Args:
+    policy: the Certified policy.
+    query: ``[b, 1, h, d]``.
+    cache: the KVCache.
+    scale: logit scale.
+    extra: ``[]`` int32 products already computed for the row (Auto's
+      sample), added to ``keys_scored``.
+  """
+  q_in, q = _queries(query, cache)
+  dt = q.dtype
+  n = cache.max_len
+  u, lo = key_codes.code_bounds(
+    q_in, cache.key_codes, cache.key_exponents, scale=scale
+  )  # [b, hk, g, n]
+  st = _step(query, cache, scale, s=u)
+  real = st.real
+  n_terms = 2 * n
+  margin = core.search_log_margin(n_terms, st.delta, dt)
+  log_eps = jnp.log(jnp.asarray(policy.eps, dt))
+  # sum e^u = e^sigma sum e^l: aim the unscored mass at eps sum e^l. Both
+  # sums relative to the max of u (l <= u: no overflow), one pass each.
+  m_u = jnp.max(jnp.where(real, u, -jnp.inf), -1, initial=-jnp.inf)
+  mm = jnp.where(jnp.isfinite(m_u), m_u, 0.0)[..., None]
+  z_u = jnp.sum(jnp.where(real, jnp.exp(u - mm), 0.0), -1)
+  z_l = jnp.sum(jnp.where(real, jnp.exp(lo - mm), 0.0), -1)
+  log_frac = log_eps - margin - jnp.log(z_u) + jnp.log(z_l)  # [b, hk, g]
+  # NaN, -inf (no lower mass above the flush): every key a candidate.
+  log_frac = jnp.where(jnp.isnan(log_frac), -jnp.inf, log_frac)
+  # One histogram pass: the threshold's resolution (~0.1 logit) only
+  # decides how many candidates are scored, never the certificate.
+  t = threshold.budget_threshold(
+    u, log_frac, real, relative=True, row_max=m_u, levels=2
+  )
+  cand = real & (u >= t[..., None])
+  count = jnp.sum(cand, -1, dtype=jnp.int32)  # [b, hk, g]
+  code_cost = key_codes.code_cost(st.n_valid, q.shape[-1], cache.keys.dtype)
+  base_cost = code_cost + extra
+  below = real & ~cand
+  vmax = jnp.broadcast_to(cache.vmax[..., None, None], u.shape)
+  empty = core.Partial.empty(
+    count.shape, dt, d_v=cache.values.shape[-1], norms=True
+  )
+  below_part = empty.add_tail(u, below, norms=vmax)  # sum_{u < t} e^u
+  log_below = below_part.tail_m + jnp.log(below_part.tail_sum)
+  m_top = policy.max_topk if policy.max_topk and policy.max_topk < n else None
+
+  chunk = min(n, CODES_CHUNK)
+  cap = -(-n // chunk) * chunk  # whole chunks (slots past n: unused)
+  small = min(cap, max(chunk, -(-n // CODES_SMALL)))
+
+  def compact(size):
+    def fn():
+      idx, ok, _ = threshold.mask_indices(cand, size)  # [b, hk, g, size]
+      pad = ((0, 0),) * 3 + ((0, cap - size),)
+      return jnp.pad(idx, pad), jnp.pad(ok, pad)
+
+    return fn
+
+  def scored():
+    # One compaction of the candidates; their keys and values are gathered
+    # chunk by chunk (a loop whose trip count follows the candidates, and
+    # whose buffers stay small: XLA:CPU pays page faults on large
+    # temporaries).
+    idx, ok = lax.cond(jnp.max(count) <= small, compact(small), compact(cap))
+    trips = (jnp.max(count) + chunk - 1) // chunk
+
+    def chunk_of(x, j):
+      return lax.dynamic_slice_in_dim(x, j * chunk, chunk, axis=-1)
+
+    def logits(j, buf):
+      kc = _gather_values(cache.keys, chunk_of(idx, j)).astype(dt)
+      sj = jnp.einsum("bkgd,bkgtd->bkgt", q, kc, precision=_HIGHEST) * scale
+      return lax.dynamic_update_slice_in_dim(buf, sj, j * chunk, axis=-1)
+
+    cs = lax.fori_loop(0, trips, logits, jnp.zeros(idx.shape, dt))
+    cs = jnp.where(ok, cs, -jnp.inf)
+    vn = jnp.broadcast_to(st.vn, u.shape)
+    cvn = jnp.where(ok, jnp.take_along_axis(vn, idx, -1), 0.0)
+    tt = threshold.budget_threshold(
+      cs, log_eps - margin, ok, relative=True, log_extra=log_below
+    )
+    keep = ok & (cs >= tt[..., None])
+    if m_top is not None:
+      t2, n_above = threshold.topk_threshold(cs, m_top, ok)
+      top = _tie_break(cs, ok, t2, n_above, jnp.full(count.shape, m_top))
+      n_keep = jnp.sum(keep, -1, dtype=jnp.int32)
+      keep = jnp.where((n_keep > m_top)[..., None], top, keep)
+    # Chunks past the last kept slot hold no weight: stop there.
+    last = jnp.max(jnp.where(keep, jnp.arange(cap, dtype=jnp.int32), -1))
+    v_trips = (last + chunk) // chunk
+
+    def value_fn(p):  # normalised kept weights, 0 off the kept set
+      def step(j, acc):
+        vj = _gather_values(cache.values, chunk_of(idx, j)).astype(p.dtype)
+        return acc + jnp.einsum(
+          "bkgt,bkgtd->bkgd", chunk_of(p, j), vj, precision=_HIGHEST
+        )
+
+      zero = jnp.zeros((*p.shape[:-1], cache.values.shape[-1]), p.dtype)
+      return lax.fori_loop(0, v_trips, step, zero)
+
+    head = core.Partial.from_logits(
+      cs,
+      keep,
+      ok,
+      logit_error=st.delta,
+      value_fn=value_fn,
+      value_norms=cvn,
+      keys_scored=0,
+    )
+    part = core.merge(head, below_part)
+    return _finish(st, part, keys_scored=base_cost + count)
+
+  def exact():
+    out, cert = _certified_exact(policy, _step(query, cache, scale))
+    cost = cert.keys_scored + code_cost + extra
+    return out, dataclasses.replace(cert, keys_scored=cost)
+
+  out, cert = scored()
+  # Safety net: float rounding beyond the margins (or an aim that missed):
+  # a valid row certified above eps is redone exactly.
+  over = cert.valid & (cert.tv_bound > policy.eps) & (st.delta < jnp.inf)
+  if m_top is not None:
+    over = over & (cert.k_kept < m_top)
+  return lax.cond(jnp.any(over), exact, lambda: (out, cert))
+
+
+def _codes_rows(policy: Certified, query, cache: KVCache, scale):
+  """Certified over the key codes; with ``Auto``, each row its own choice.
+
+  ``bound='codes'``: every row runs ``_certified_codes``. ``Auto``: rows
+  whose sample (``_sample_says_codes``) says the codes do not pay,
+  or that hold fewer than ``AUTO_MIN_KEYS`` keys, run the exact search and
+  cost their keys plus the sample; the others run the codes. When every
+  row of the batch makes the same choice the batch runs it at once; a
+  mixed batch runs row by row (``lax.map``, each row its own branch), so a
+  flat row never pays for codes and a concentrated one never for the exact
+  search.
+  """
+  b, _, h, _ = query.shape
+  hk = cache.keys.shape[1]
+  g = h // hk
+  if not isinstance(policy.search, Auto):
+    return _certified_codes(policy, query, cache, scale, jnp.int32(0))
+  use, extra = _sample_says_codes(policy, query, cache, scale)  # [b, hk]
+  extra_g = jnp.broadcast_to(extra[..., None], (b, hk, g))
+
+  def all_codes():
+    return _certified_codes(policy, query, cache, scale, extra_g)
+
+  def exact(q, c, x):
+    out, cert = _certified_exact(policy, _step(q, c, scale))
+    return out, dataclasses.replace(cert, keys_scored=cert.keys_scored + x)
+
+  def mixed():
+    qr = query.reshape(b * hk, 1, g, -1)
+
+    def row(args):
+      q1, r, u1, x1 = args
+      c1, q1 = _one_row(r), q1[None]  # a cache of one row, [1, 1, g, d]
+      x1 = jnp.broadcast_to(x1, (1, 1, g))
+      return lax.cond(
+        u1,
+        lambda: _certified_codes(policy, q1, c1, scale, x1),
+        lambda: exact(q1, c1, x1),
+      )
+
+    xs = (qr, _rows(cache), use.reshape(-1), extra.reshape(-1))
+    out, cert = lax.map(row, xs)  # [b hk, 1, 1, g, ...]
+    out = out.reshape(b, hk, g, -1)
+    return out, jax.tree.map(lambda x: x.reshape(b, hk, g), cert)
+
+  return lax.cond(
+    jnp.all(use),
+    all_codes,
+    lambda: lax.cond(jnp.any(use), mixed, lambda: exact(query, cache, extra_g)),
+  )
+
+
 @functools.partial(jax.jit, static_argnames=("policy", "static_scale"))
 def _xla_decode(query, cache, rng, scale, *, policy, static_scale):
   b, _, h, _ = query.shape
-  st = _step(query, cache, scale if static_scale is None else static_scale)
-  if isinstance(policy, Certified):
+  scale = scale if static_scale is None else static_scale
+  if isinstance(policy, Certified) and _by_codes(policy, cache):
+    out, cert = _codes_rows(policy, query, cache, scale)
+  elif isinstance(policy, Certified):
+    st = _step(query, cache, scale)
     if policy.search.scores_all:
       out, cert = _certified_exact(policy, st)
     else:
       out, cert = _certified_search(policy, st, rng)
   else:
-    out, cert = _fixed_count(policy, st)
+    out, cert = _fixed_count(policy, _step(query, cache, scale))
   out = out.reshape(b, 1, h, -1).astype(query.dtype)  # [b, 1, h, dv]
   cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
   return out, cert

@@ -52,6 +52,7 @@ import numpy as np
 from jaxtopk.attention import checks
 from jaxtopk.attention._cache import KVCache
 from jaxtopk.selection import core
+from jaxtopk.selection import key_codes
 
 DEFAULT_GROUP_SIZE = 64
 OPEN_FACTOR = 1.5  # an appended key this many radii away opens a group
@@ -100,6 +101,11 @@ class IndexedKVCache:
     spilled: ``[b, hk]`` int32 appended keys that enlarged a group's ball
       beyond that threshold (a quality statistic; rebuild when it grows).
     length: ``[b]`` int32 filled positions (0 .. length - 1).
+    key_codes: ``[b, hk, d, n]`` int8 8-bit codes of the stored keys in
+      POSITION order, d-major (THEORY 3.5, ``selection.key_codes``; 0 at
+      unfilled positions): per-key logit bounds at a quarter of the keys'
+      bytes, summed per group by the searches.
+    key_exponents: ``[b, hk, n]`` their exponents.
     group_size: static capacity C of a group.
     groups_per_round: static number of groups the searches score per round.
   """
@@ -119,6 +125,8 @@ class IndexedKVCache:
   open_radius: jax.Array
   spilled: jax.Array
   length: jax.Array
+  key_codes: jax.Array
+  key_exponents: jax.Array
   group_size: int = dataclasses.field(metadata=dict(static=True))
   groups_per_round: int = dataclasses.field(metadata=dict(static=True))
 
@@ -368,8 +376,8 @@ def _build_row(
   )
   slot_of = jnp.full((max_len,), -1, jnp.int32)
   slot_of = slot_of.at[idx].set(jnp.where(valid, slot, -1), mode="drop")
-  absmax = jnp.max(jnp.where(valid[:, None], jnp.abs(x), 0.0), 0)  # [d]
-  knorm = jnp.max(jnp.where(valid, norm_up(x), 0.0), initial=0.0)
+  absmax = core.max_nan(jnp.where(valid[:, None], jnp.abs(x), 0.0), 0)
+  knorm = core.max_nan(jnp.where(valid, norm_up(x), 0.0), None, initial=0.0)
   kflush = jnp.any(valid & core.flushed(keys, -1))
   nonempty = (cnt > 0) & ~jnp.isnan(radius)  # NaN: a non-finite key
   open_r = jnp.sum(jnp.where(nonempty, radius, 0.0)) / jnp.maximum(
@@ -431,10 +439,17 @@ def _build(
   rngs = jax.random.split(jax.random.key(seed), (b, hk))
   over_h = jax.vmap(fn, in_axes=(0, 0, None, 0))
   out = jax.vmap(over_h)(kh, vh, valid, rngs)
+  codes, expo = key_codes.encode_keys(kh)  # [b, hk, n, d], [b, hk, n]
+  real = valid[:, None, :]
+  codes = jnp.swapaxes(jnp.where(real[..., None], codes, 0), -1, -2)
+  expo = jnp.where(real, expo, 0)
+  pad = max_len - n
   return IndexedKVCache(
     **out,
     spilled=jnp.zeros((b, hk), jnp.int32),
     length=lengths,
+    key_codes=jnp.pad(codes, ((0, 0), (0, 0), (0, 0), (0, pad))),
+    key_exponents=jnp.pad(expo, ((0, 0), (0, 0), (0, pad))),
     group_size=group_size,
     groups_per_round=groups_per_round,
   )
@@ -724,4 +739,15 @@ def _index_update(index, key, value, num_steps):
   (rows, length), _ = jax.lax.scan(
     step, (rows, index.length), jnp.arange(steps)
   )
-  return dataclasses.replace(index, **rows, length=length)
+  # Codes in position order: the written steps go to length .. length + k.
+  t = jnp.arange(steps, dtype=jnp.int32)
+  pos = index.length[:, None] + t  # [b, st]
+  written = (t[None, :] < num_steps[:, None]) & (pos < index.max_len)
+  pos = jnp.where(written, pos, index.max_len)  # dropped
+  codes, expo = key_codes.encode_keys(key)  # [b, st, hk, d], [b, st, hk]
+  bi = jnp.arange(b)[:, None]
+  kc = index.key_codes.at[bi, :, :, pos].set(codes, mode="drop")
+  ke = index.key_exponents.at[bi, :, pos].set(expo, mode="drop")
+  return dataclasses.replace(
+    index, **rows, length=length, key_codes=kc, key_exponents=ke
+  )

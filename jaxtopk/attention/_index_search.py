@@ -24,13 +24,27 @@ bound above gets that mass added to U, exactly) and its values are never
 read. So ``k_kept`` <= the keys scored, and on concentrated rows the rounds
 that only certify cost keys, not values.
 
+Key codes (THEORY 3.5): the index also keeps every key's 8-bit code in
+position order. A group's mass is then also bounded by the sum of its
+members' code bounds, sum_i e^{u_i} (``_code_group_mass``), within a
+fraction of a logit per key of the truth on real heads where the ball sits
+several logits above; the code products cost their byte share
+(``key_codes.code_cost``) in ``keys_scored``.
+
+- ``decode_attention(query, index, policy=Certified(eps))`` (the default
+  ``Auto``) and ``Certified(eps, 'delta', bound='codes')``: the groups are
+  bounded by their codes alone (no ball read) and searched in rounds of
+  about 1/64 of the keys (``_codes_search``); ``Auto`` picks per row
+  between that and scoring every key, from a strided sample of code estimates
+  (``_index_sample``, the rule of the decode over a KVCache).
 - ``decode_attention(query, index, policy=Certified(eps, 'delta'))``:
   starts from nothing. 'mc' replaces n_g e^{u_g} by the Hoeffding bound
   of THEORY 6.3 from ``num_samples`` sampled members per group
   (``jaxtopk.selection``'s MC estimate); 'exact' and fixed-count policies
   score every key.
 - ``certify_selection``: the certificate of a GIVEN set of positions
-  (scores only those keys; every other key is bounded by its group).
+  (scores only those keys; every other key is bounded by its group's ball
+  and, by default, by its code).
 - ``grow_selection``: starts from a given set and adds whole groups by
   bound until eps is certified or ``max_groups`` groups were added (then
   the certificate states the true, larger, bound).
@@ -45,6 +59,7 @@ while loop runs every row until the slowest stops, so time would follow the
 largest row's keys; this way it follows the total keys read.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -58,6 +73,7 @@ from jaxtopk.attention import checks
 from jaxtopk.attention._index import IndexedKVCache
 from jaxtopk.attention._index import norm_up
 from jaxtopk.selection import core
+from jaxtopk.selection import key_codes
 
 # Summary cost in key-equivalents besides one per non-empty group.
 _QUERY_SUMMARY_COST = 2
@@ -149,6 +165,50 @@ def group_upper_bounds(q, index: IndexedKVCache, scale, q_flushed=True):
   bad = jnp.isnan(index.radius)[:, :, None]  # a non-finite key
   u = jnp.where(bad, jnp.nan, jnp.where(jnp.isnan(u), jnp.inf, u))
   return jnp.where(index.count[:, :, None] > 0, u, -jnp.inf)
+
+
+def code_bounds(q, index: IndexedKVCache, scale) -> jax.Array:
+  """``[b, hk, g, n]`` sound upper bounds on every stored key's logit from
+  its 8-bit code (THEORY 3.5, ``selection.key_codes``), in position
+  order; +inf for a non-finite key. Costs ``key_codes.code_cost`` of the
+  filled positions (their share of the keys' bytes)."""
+  return key_codes.code_bounds(
+    q, index.key_codes, index.key_exponents, scale=scale, upper_only=True
+  )
+
+
+def _code_group_mass(u, slot_row, length, exclude, g_num, c_sz):
+  """``[G]`` log of a sound bound on sum e^{s_i} over each group's keys.
+
+  From the per-key code bounds ``u`` ``[n]`` (position order) of the keys
+  filled, in a group (``slot_row``) and not in ``exclude`` ``[n]`` (or
+  None): per group m + log sum e^{u_i - m}, rounded up by (C + 64) eps
+  (the C-term sum, each exp and its argument's rounding; a term that
+  underflows loses less than tiny next to the max term 1). -inf for a
+  group with no such key, +inf if one has an unbounded code (non-finite).
+  """
+  n = u.shape[0]
+  dt = u.dtype
+  ok = (jnp.arange(n) < length) & (slot_row >= 0)
+  if exclude is not None:
+    ok = ok & ~exclude
+  grp = jnp.where(ok, slot_row // c_sz, g_num)  # g_num: a dropped bucket
+  x = jnp.where(ok, u, -jnp.inf)
+  m = jax.ops.segment_max(x, grp, g_num + 1)[:g_num]  # -inf where none
+  mref = jnp.where(jnp.isfinite(m), m, 0.0)
+  e = jnp.where(ok, jnp.exp(x - mref[jnp.minimum(grp, g_num - 1)]), 0.0)
+  z = jax.ops.segment_sum(e, grp, g_num + 1)[:g_num]
+  slack = (c_sz + 64) * jnp.finfo(dt).eps
+  lm = jnp.where(
+    z > 0, mref + jnp.log(jnp.where(z > 0, z, 1.0)) + slack, -jnp.inf
+  )
+  return jnp.where(m == jnp.inf, jnp.inf, lm)
+
+
+def _code_cost(index, d):
+  """``[b, hk]`` key-equivalents of the code products of the filled keys."""
+  n = jnp.broadcast_to(index.length[:, None], index.key_norm.shape)
+  return key_codes.code_cost(n, d, index.keys.dtype)
 
 
 def _err_units(abs_s, log_mass, n_rounds):
@@ -655,9 +715,18 @@ def index_decode_attention(
       f"{implementation=} is not available for an IndexedKVCache; use None"
       " or 'xla'"
     )
+  by_codes = isinstance(policy, selection.Certified) and _index_by_codes(policy)
   searching = isinstance(policy, selection.Certified) and (
     policy.search.name in ("delta", "mc")
   )
+  if by_codes:
+    policy.require(
+      _BACKEND,
+      selection.capabilities(
+        "policy=Certified", "search=exact", "search=delta", "bound=codes"
+      ),
+    )
+    return _codes_decode(query, index, policy, static, dynamic)
   if not searching:
     policy.require(
       _BACKEND,
@@ -698,6 +767,199 @@ def index_decode_attention(
   return out, cert
 
 
+def _index_by_codes(policy) -> bool:
+  """``bound='codes'``, or the default ``Auto`` (then per call: see
+  ``_codes_decode``)."""
+  search = policy.search
+  return isinstance(search, selection.Auto) or (
+    search.name == "delta" and isinstance(search.bound, selection.Codes)
+  )
+
+
+def _codes_decode(query, index, policy, scale, dyn_scale=None):
+  """``decode_attention`` over the index with the key codes (THEORY 3.5).
+
+  Each row bounds its groups by the sum of their members' code bounds and
+  searches them in rounds (``_codes_search``). ``Auto`` (on indexes of at
+  least ``AUTO_MIN_KEYS`` positions; shorter ones take the exact search)
+  first estimates a strided sample of ``AUTO_SAMPLE`` stored keys of
+  every row from their codes (the rule of the decode over a KVCache): a
+  row that does not
+  look concentrated enough for the codes to pay scores every group
+  instead, and costs its keys plus the sample (when no row of the call
+  does, the exact search runs); ``max_topk`` (which the group search does
+  not cap) takes the exact search.
+  """
+  from jaxtopk.attention import _decode
+
+  auto = isinstance(policy.search, selection.Auto)
+  full = functools.partial(
+    _full_decode, query, index, dyn_scale, policy=policy, scale=scale
+  )
+  if auto and index.max_len < _decode.AUTO_MIN_KEYS:
+    return full()  # short caches: the exact search, as over a KVCache
+  if auto and policy.max_topk is not None:
+    out, cert = full()
+    _, extra = _index_sample(
+      query, index, dyn_scale, eps=policy.eps, scale=scale
+    )
+    return out, dataclasses.replace(cert, keys_scored=cert.keys_scored + extra)
+  if policy.max_topk is not None:
+    raise selection.UnsupportedPolicyError(
+      f"Certified.max_topk={policy.max_topk} is not supported by"
+      f" {_BACKEND} with bound='codes'"
+    )
+  b, _, h, _ = query.shape
+  if auto:
+    use, extra = _index_sample(
+      query, index, dyn_scale, eps=policy.eps, scale=scale
+    )
+  else:
+    use = jnp.ones((b, 1, h), bool)
+    extra = jnp.zeros((b, 1, h), jnp.int32)
+
+  def search():
+    out, cert, _ = _codes_search(
+      query, index, use, jnp.float32(policy.eps), dyn_scale, scale=scale
+    )
+    return out, cert
+
+  # No row takes the codes: the exact search (its minimal kept set).
+  out, cert = lax.cond(jnp.any(use), search, full) if auto else search()
+  return out, dataclasses.replace(cert, keys_scored=cert.keys_scored + extra)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _codes_search(query, index, use, eps, dyn_scale=None, *, scale):
+  """Group search bounded by the members' codes, one row after the other.
+
+  Per row (``lax.map``): where ``use`` the row's code bounds (its kv head's
+  codes, ``key_codes.code_cost`` of its keys) give each group's mass bound
+  sum_{members} e^{u_i} (``_code_group_mass``); the groups are scored in
+  rounds of about 1/64 of the keys by decreasing bound (``_grow_row``)
+  until eps is certified. Elsewhere every group's bound is +inf: all are
+  scored (the exact search, no code read). No ball summary is read (the
+  codes bound each key more tightly than its group's ball): the summary
+  cost is the 2 of the query's norms.
+  """
+  scale, scale_ok = _scale_of(scale, dyn_scale)
+  b, _, h, d = query.shape
+  dt = _dtype(query, index)
+  q, qf = _split_heads(query, index, dt)  # [b, hk, g, d]
+  hk, g = q.shape[1], q.shape[2]
+  g_num, c_sz = index.num_groups, index.group_size
+  n = index.max_len
+  delta, abs_s = row_errors(q, qf, index, scale)  # [b, hk, g]
+  rounds = max(1, min(index.groups_per_round, n // (64 * c_sz)))
+  keys, values = _flat_kv(index)
+  row = functools.partial(
+    _grow_row,
+    keys=keys,
+    values=values,
+    scale=scale,
+    log_eps=jnp.log(jnp.asarray(eps, dt)),
+    rounds=rounds,
+    max_groups=g_num,
+    n_terms=g_num * c_sz + g_num,
+  )
+  codes = index.key_codes.reshape(b * hk, d, n)
+  expo = index.key_exponents.reshape(b * hk, n)
+  slot = index.slot.reshape(b * hk, n)
+  length = jnp.repeat(index.length, hk)  # [b hk]
+  base, count = _rows(index, g)
+  kv_row = jnp.arange(b * hk * g, dtype=jnp.int32) // g
+  live = count > 0  # [rows, G]
+  dv = index.values.shape[-1]
+  n_rounds = -(-g_num // rounds)
+
+  def one(q1, bs, c, lv, kr, u1, de, ab):
+    def by_codes():
+      uk = key_codes.code_bounds(
+        q1[None], codes[kr], expo[kr], scale=scale, upper_only=True
+      )[0]  # [n]
+      return _code_group_mass(uk, slot[kr], length[kr], None, g_num, c_sz)
+
+    def everything():
+      return jnp.where(lv, jnp.inf, -jnp.inf).astype(dt)
+
+    lm = lax.cond(u1, by_codes, everything)
+    lm = jnp.where(lv, lm, -jnp.inf)
+    err = _err_units(ab, lm, n_rounds)
+    init = (jnp.asarray(-jnp.inf, dt), jnp.zeros((), dt), jnp.zeros((dv,), dt))
+    res = row(q1, bs, c, lm, init, None, de, err)
+    code = jnp.where(
+      u1, key_codes.code_cost(length[kr], d, index.keys.dtype), 0
+    )
+    return (*res, code)
+
+  rows = b * hk * g
+  out, log_tv, _, kept, n_sc, n_kp, has_head, fin, code = lax.map(
+    lambda a: one(*a),
+    (
+      q.reshape(rows, d),
+      base,
+      count,
+      live,
+      kv_row,
+      use.reshape(b, hk, g).reshape(rows),
+      delta.reshape(rows),
+      abs_s.reshape(rows),
+    ),
+  )
+  shape = (b, hk, g)
+  out = out.reshape(*shape, dv)
+  log_tv, n_sc, n_kp, has_head, fin, code = (
+    x.reshape(shape) for x in (log_tv, n_sc, n_kp, has_head, fin, code)
+  )
+  kept = kept.reshape(*shape, g_num)
+  vn = index.vnorm[:, :, None]  # [b, hk, 1, G]
+  live = jnp.broadcast_to(index.count[:, :, None] > 0, kept.shape)
+  out, cert = _finish(
+    out,
+    log_tv,
+    has_head,
+    fin,
+    n_kp,
+    n_sc + code + _QUERY_SUMMARY_COST,
+    core.max_norm(vn, kept & live),
+    core.max_norm(vn, ~kept & live),
+    delta,
+    (b, h),
+    query.dtype,
+    scale_ok=scale_ok,
+  )
+  return out, cert, kept  # kept: [b, hk, g, G] groups kept
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "scale"))
+def _index_sample(query, index, dyn_scale=None, *, eps, scale):
+  """``[b, 1, h]`` (the row's kv head looks concentrated enough for the
+  codes, the sample's cost) from the codes of ``AUTO_SAMPLE`` stored keys
+  of each row (``_decode.auto_sample_positions``; ``_decode``'s rule)."""
+  from jaxtopk.attention import _decode
+
+  scale, _ = _scale_of(scale, dyn_scale)
+  m = _decode.AUTO_SAMPLE
+  b, _, h, d = query.shape
+  hk = index.keys.shape[1]
+  qg = query.reshape(b, hk, h // hk, d)
+  ln = index.length  # [b]
+  pos = _decode.auto_sample_positions(ln, m)  # [b, m]
+  codes = jax.vmap(lambda c, p: c[:, :, p])(index.key_codes, pos)
+  expo = jax.vmap(lambda e, p: e[:, p])(index.key_exponents, pos)
+  u, lo = key_codes.code_bounds(qg, codes, expo, scale=scale)
+  s = 0.5 * (u + lo)  # [b, hk, g, m]: the code estimate of the logits
+  p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
+  p = -jnp.sort(-p / jnp.sum(p, -1, keepdims=True), axis=-1)  # decreasing
+  need = jnp.sum(jnp.cumsum(p, -1) < 1 - eps, -1) + 1
+  long_row = (ln >= _decode.AUTO_MIN_KEYS)[:, None, None]
+  use = long_row & (need <= _decode.AUTO_THRESHOLD * m)
+  use = jnp.any(use, -1, keepdims=True) & jnp.ones_like(use)  # per kv head
+  cost = key_codes.code_cost(m, d, index.keys.dtype)
+  extra = jnp.broadcast_to(jnp.where(long_row, cost, 0), use.shape)
+  return use.reshape(b, 1, h), extra.reshape(b, 1, h).astype(jnp.int32)
+
+
 def _selected(q_row_positions, slot_row, length, c_sz, g_num):
   """Slots of a selection and which entries are distinct real keys."""
   pos = q_row_positions
@@ -726,6 +988,7 @@ def _selection_row(
   delta,
   err_base,
   eps,
+  uk=None,
   *,
   keys,
   values,
@@ -734,7 +997,9 @@ def _selection_row(
   max_groups,
   n_terms,
 ):
-  """Certificate (and growth when ``max_groups`` > 0) for one query row."""
+  """Certificate (and growth when ``max_groups`` > 0) for one query row;
+  ``uk`` ``[n]``: the keys' code bounds (the groups' mass bounds are then
+  also bounded by the sum over their keys left out)."""
   g_num = count.shape[0]
   c_sz = keys.shape[1]
   dt = q.dtype
@@ -758,6 +1023,13 @@ def _selection_row(
   log_mass = jnp.where(
     rem > 0, u + jnp.log(jnp.maximum(rem, 1).astype(dt)), -jnp.inf
   )
+  if uk is not None:
+    n = slot_row.shape[0]
+    given = (positions >= 0) & (positions < jnp.minimum(length, n))
+    excl = jnp.zeros((n,), bool)
+    excl = excl.at[jnp.where(given, positions, n)].set(True, mode="drop")
+    lm_c = _code_group_mass(uk, slot_row, length, excl, g_num, c_sz)
+    log_mass = jnp.minimum(log_mass, lm_c)
   fin_lm = jnp.isfinite(log_mass)
   err = err_base + 4 * jnp.max(jnp.where(fin_lm, jnp.abs(log_mass), 0.0))
   out, log_tv, _, kept, n_sc, n_kp, has_head, fin2 = _grow_row(
@@ -793,9 +1065,20 @@ def _selection_row(
   )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "max_groups", "rounds"))
+@functools.partial(
+  jax.jit, static_argnames=("scale", "max_groups", "rounds", "codes")
+)
 def _selection(
-  query, index, positions, eps, dyn_scale=None, *, scale, max_groups, rounds
+  query,
+  index,
+  positions,
+  eps,
+  dyn_scale=None,
+  *,
+  scale,
+  max_groups,
+  rounds,
+  codes=True,
 ):
   scale, scale_ok = _scale_of(scale, dyn_scale)
   b, _, h, d = query.shape
@@ -823,6 +1106,9 @@ def _selection(
   slot = jnp.broadcast_to(index.slot[:, :, None], (b, hk, g, index.max_len))
   length = jnp.broadcast_to(index.length[:, None, None], (b, hk, g))
   flat = lambda x: x.reshape(rows, *x.shape[3:])
+  extra = ()
+  if codes:
+    extra = (flat(code_bounds(q, index, scale)),)  # [rows, n]
   out, log_tv, kept, rem, k_kept, n_sc, has_head, fin, head = _map_rows(
     row,
     q.reshape(rows, d),
@@ -835,6 +1121,7 @@ def _selection(
     flat(delta),
     flat(err_base),
     jnp.broadcast_to(jnp.asarray(eps, dt), (rows,)),
+    *extra,
     few_rounds=min(max_groups, g_num) <= 4 * rounds,
   )
   shape = (b, hk, g)
@@ -847,6 +1134,8 @@ def _selection(
   head = jnp.maximum(head, core.max_norm(vn, kept))
   tail = core.max_norm(vn, ~kept & (rem > 0))
   cost = _summary_cost(index)[..., None]
+  if codes:
+    cost = cost + _code_cost(index, d)[..., None]
   out, cert = _finish(
     out,
     log_tv,
@@ -916,17 +1205,24 @@ def _check_eps(eps) -> float:
 
 
 def certify_selection(
-  query, index: IndexedKVCache, positions, *, scale=None
+  query,
+  index: IndexedKVCache,
+  positions,
+  *,
+  scale=None,
+  codes: bool = True,
 ) -> selection.Certificate:
   """A sound Certificate for a set of keys chosen by any other method.
 
-  THEORY 2.4 and 3.3. The set (a sliding window with attention sinks,
+  THEORY 2.4, 3.3 and 3.5. The set (a sliding window with attention sinks,
   Quest-style pages, a learned indexer's choice, a user's list) is given as
   sequence positions; only those keys are scored, every other key is
-  bounded through its group's ball (``group_upper_bounds``):
-  tau <= U / (Z_K + U), U = sum_g n_g' e^{u_g} over the keys n_g' of group
-  g outside the set. Sound on every row; it is tight when the set holds the
-  mass and the groups left out are far from the query.
+  bounded: tau <= U / (Z_K + U), U = sum_g U_g over the groups, U_g the
+  smaller of the group's ball bound n_g' e^{u_g} (``group_upper_bounds``,
+  n_g' its keys outside the set) and, with ``codes`` (the default), the sum
+  of those keys' code bounds sum_i e^{u_i} (THEORY 3.5: within a fraction
+  of a logit of each key on real heads, so U is within a small factor of
+  the true left-out mass). Sound on every row.
 
   Defined results: positions < 0 or >= the row's length are ignored (padding
   of ragged sets; checked in the positions' own integer dtype, so an int64
@@ -945,11 +1241,14 @@ def certify_selection(
     scale: logit scale, default 1/sqrt(head_dim); a number >= float32's
       smallest normal, or a JAX scalar (traced OK: rows are invalid where it
       is not finite and >= ``core.MIN_SCALE``).
+    codes: also bound the keys left out by their 8-bit codes (static).
 
   Returns:
     A Certificate ``[batch, 1, num_heads]``: ``k_kept`` distinct real keys
     of the set, ``keys_scored`` = k_kept + the summaries (one per non-empty
-    group + 2), ``output_error_bound`` for attention over the set.
+    group + 2) + with ``codes`` the code products at their byte share
+    (``key_codes.code_cost`` of the filled positions), ``output_error_bound``
+    for attention over the set.
 
   Raises:
     TypeError: a query that is not real floating, positions that are not
@@ -969,6 +1268,7 @@ def certify_selection(
     scale=static,
     max_groups=0,
     rounds=index.groups_per_round,
+    codes=bool(codes),
   )
   return cert
 
@@ -981,6 +1281,7 @@ def grow_selection(
   eps: float,
   max_groups: int | None = None,
   scale=None,
+  codes: bool = True,
 ) -> tuple[jax.Array, selection.Selection]:
   """Grows a candidate set by whole groups until tau <= eps is certified.
 
@@ -999,6 +1300,9 @@ def grow_selection(
     eps: TV budget in (0, 1): a Python, numpy or concrete JAX real scalar.
     max_groups: most groups added per row (static int), default all.
     scale: logit scale, as ``certify_selection``.
+    codes: bound the groups' left-out mass also by their keys' 8-bit codes
+      (``certify_selection``; static), which orders the groups by a tight
+      bound and certifies with fewer of them.
 
   Returns:
     ``(output, selection)``: attention over the grown set ``[batch, 1,
@@ -1030,6 +1334,7 @@ def grow_selection(
     scale=static,
     max_groups=min(int(max_groups), g_num),
     rounds=index.groups_per_round,
+    codes=bool(codes),
   )
   keep = _kept_positions(index, kept, pos)
   return out, selection.Selection(

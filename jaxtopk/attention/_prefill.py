@@ -31,7 +31,11 @@ Two engines, one per kind of policy:
   grouped into at most ``BlockSizes.max_bands`` bands of consecutive tiles,
   and a band's tiles score only the keys its last row can see (a band of
   ``w`` tiles wastes at most ``w - 1`` tiles' worth of keys).
-- Block search (``Certified(search=DeltaSearch(...))``):
+- Block search (``Certified(search=DeltaSearch(...))``, and the default
+  ``Certified(eps)``, ``Auto``: where the box bounds cannot rule a block
+  out, the rounds score it anyway, so a flat tile ends up scoring every key
+  it sees, at about the cost of the scan-all engine, measured in
+  experiments/bench_attention.py):
   Delta-Search (THEORY 6.2) at TILE granularity. Keys are cut into blocks of
   ``Certified.block_size``; every block has a box summary (THEORY 3.3) that
   bounds the logit of each of its keys for each row of the tile (widened by
@@ -140,6 +144,8 @@ def kind_of(policy) -> str:
   if isinstance(policy, selection.FixedCount):
     return "count"
   if isinstance(policy, selection.Certified):
+    if isinstance(policy.search, selection.Auto):
+      return "search"  # the tile search; it scores every block where needed
     return "exact" if policy.search.scores_all else "search"
   raise TypeError(f"{policy=} is not a selection policy")
 
@@ -291,9 +297,9 @@ def _prepare(query, key, value, mask, bias, lens, plan, values_bound):
   nb, bs = p.nb, p.bs
   kb = arr["k"].reshape(p.b, p.hk, nb, bs, p.d)
   sg = jax.lax.stop_gradient
-  arr["blk_knrm"] = jnp.max(kmajor(k_nrm).reshape(p.b, p.hk, nb, bs), -1)
+  arr["blk_knrm"] = core.max_nan(kmajor(k_nrm).reshape(p.b, p.hk, nb, bs), -1)
   arr["blk_kfl"] = jnp.any(kmajor(k_fl, False).reshape(p.b, p.hk, nb, bs), -1)
-  arr["blk_kabs"] = jnp.max(jnp.abs(sg(kb)), axis=3)  # [b, hk, nb, d]
+  arr["blk_kabs"] = core.max_nan(jnp.abs(sg(kb)), axis=3)  # [b, hk, nb, d]
   if values_bound:
     vn = kmajor(core.value_norms(sg(value)))  # [b, hk, sp]; NaN = broken
     arr["vn"] = vn
@@ -302,7 +308,7 @@ def _prepare(query, key, value, mask, bias, lens, plan, values_bound):
     # A row that attends to one is still invalid through its NaN norm.
     v = arr["v"]
     arr["v"] = jnp.where(jnp.isfinite(v), v, jnp.zeros((), v.dtype))
-    arr["blk_vn"] = jnp.max(vn.reshape(p.b, p.hk, nb, bs), -1)
+    arr["blk_vn"] = core.max_nan(vn.reshape(p.b, p.hk, nb, bs), -1)
   if p.kind == "search":
     key_real = jnp.arange(p.sp) < p.s  # padding keys are not real
     box = theory.box_summary(sg(arr["k"]), block_size=bs, mask=key_real)
@@ -384,13 +390,13 @@ def _row_logit_error(p, arr, q_t, qn_t, qfl_t, vis_blk, bias_abs, scale):
   sees (``core.logit_error_bound`` over the blocks it can see)."""
   nbl = vis_blk.shape[-1]
   kn = arr["blk_knrm"][:, :, None, None, :nbl]  # [b, hk, 1, 1, nbl]
-  k_norm = jnp.max(jnp.where(vis_blk, kn, 0.0), -1)
+  k_norm = core.max_nan(jnp.where(vis_blk, kn, 0.0), -1)
   fl = arr["blk_kfl"][:, :, None, None, :nbl]
   k_fl = jnp.any(vis_blk & fl, -1)
   a = core.abs_dot_box(
     jax.lax.stop_gradient(q_t), arr["blk_kabs"][:, :, None, :nbl]
   )  # [b, hk, g, bq, nbl]
-  abs_dot = jnp.max(jnp.where(vis_blk, a, 0.0), -1)
+  abs_dot = core.max_nan(jnp.where(vis_blk, a, 0.0), -1)
   return core.logit_error_bound(
     q_norm=qn_t,
     k_norm=k_norm,
@@ -610,6 +616,10 @@ def _search_tile(c, i):
     )
     unscored = vis_blk & ~scored_blk[:, :, None, None, :]
     part = part.add_tail(log_mass, unscored, norms=norms)
+    # THEORY 6.4: each row read the boxes of the blocks it sees (2 keys'
+    # bytes each) to bound them.
+    n_box = 2 * jnp.sum(vis_blk, -1, dtype=jnp.int32)
+    part = dataclasses.replace(part, keys_scored=part.keys_scored + n_box)
     full = None
     if c.return_keep:
       cols = jnp.broadcast_to(key_pos(idx)[:, :, None, None, :], keep.shape)

@@ -182,6 +182,8 @@ def cache_shardings(
     knorm=per_row,
     kflushed=per_row,
     vmax=per_row,
+    key_codes=NamedSharding(mesh, P(b, h, None, s)),  # d-major, per position
+    key_exponents=NamedSharding(mesh, P(b, h, s)),
     block_size=cache.block_size,
   )
 

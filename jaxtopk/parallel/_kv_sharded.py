@@ -104,7 +104,7 @@ def _logit_error(q, k, used, bias, real, *, scale, axis_name):
   dt = core.compute_dtype(jnp.result_type(q.dtype, k.dtype))
   d = q.shape[-1]
   k_norm = core.max_norm(core.norms_up(k), used)  # [b, h]
-  kabs = jnp.max(
+  kabs = core.max_nan(
     jnp.where(used[..., None], jnp.abs(k.astype(dt)), 0.0), axis=-2
   )  # [b, h, d]
   k_fl = jnp.any(used & core.flushed(k), axis=-1).astype(dt)  # [b, h]

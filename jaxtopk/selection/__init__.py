@@ -8,18 +8,23 @@ API that the attention, kernel, parallel and nn layers build on. So are
 ``box_abs_dot`` and ``box_upper_bound_dot`` (block-box
 bounds written as dot products), and ``jaxtopk.selection.threshold``
 (few-pass Top-k and budget thresholds, sharded or not, and the compaction of
-kept keys: the one selection mechanism every path uses).
+kept keys: the one selection mechanism every path uses), and
+``jaxtopk.selection.key_codes`` (8-bit key codes and the sound per-key logit
+bounds they give, THEORY 3.5).
 """
 
 from jaxtopk.selection import core
+from jaxtopk.selection import key_codes
 from jaxtopk.selection import threshold
 from jaxtopk.selection._certificate import Certificate
 from jaxtopk.selection._certified import certified_search
 from jaxtopk.selection._lowrank import key_projection
 from jaxtopk.selection._lowrank import lowrank_upper_bound
 from jaxtopk.selection._policies import FEATURES
+from jaxtopk.selection._policies import Auto
 from jaxtopk.selection._policies import Box
 from jaxtopk.selection._policies import Certified
+from jaxtopk.selection._policies import Codes
 from jaxtopk.selection._policies import DeltaSearch
 from jaxtopk.selection._policies import Dense
 from jaxtopk.selection._policies import Exact

@@ -56,9 +56,17 @@ class Certificate:
       no infinity under ``jax.debug_infs``). NaN where not ``valid``.
     k_kept: int32 number of kept real keys (of positive mass); 0 where not
       ``valid``.
-    keys_scored: int32 number of full q.k products computed for the row
-      (block summaries are not counted; THEORY 6.4; MC samples and low-rank
-      projections are).
+    keys_scored: int32 cost of the row in units of one full-precision
+      q.k (THEORY 6.4): every product computed, weighted by the share of
+      the key's bytes it reads, rounded up. A key scored exactly counts 1
+      (MC samples included); a product with a key's 8-bit code (THEORY
+      3.5) counts (d + 1) / (d * itemsize) of a key stored in that dtype
+      (33/128 at d = 32 in float32; the 32-key sample by which the default
+      ``Auto`` chooses its strategy is counted so too); a rank-r projection
+      (r + 2) / d; a block box 2 keys, a ball 1, a content group's ball 1
+      plus 2 per row for the query's norms. Bytes read are keys_scored
+      times d * itemsize. Paths that read nothing but the keys they score
+      (the exact search) report the real keys.
     output_error_bound: upper bound on ||Attn - Attn_k||_2 (THEORY 4.2/4.4:
       tv_bound (max_{j in H} ||v_j|| + max_{j dropped} ||v_j||)) plus the
       distance from Attn_k to the attention weighted by the softmax of the

@@ -116,6 +116,7 @@ def _certified_search(
         eps=policy.eps,
         scale=scale,
         max_topk=policy.max_topk,
+        block_summary_keys=3 if use_ball else 2,  # box (+ ball) per block
       )
       s, keep, _, part = jax.vmap(
         lambda *a: fn(*a[:-1], value_norms=a[-1] if with_values else None)
@@ -150,13 +151,15 @@ def certified_search(
   decreasing order of their mass bound until the blockwise bound with every
   scored key kept is <= eps; then the fewest scored keys meeting eps are
   kept. ``certificate.keys_scored`` counts the q.k products computed
-  (for 'mc' including the sampled keys); summaries are not counted.
+  (for 'mc' including the sampled keys) and the block summaries read, in
+  key-equivalents (THEORY 6.4: a box is 2 keys' bytes, a ball 1 more).
 
   With ``policy.bound='lowrank'`` (search 'delta') the blocks are instead
   bounded per key from a rank-r projection of the keys (``_lowrank``:
   q.k <= q_P.k_P + ||q_perp|| ||k_perp|| plus rounding slack), keys are
   scored in decreasing order of that bound, and ``keys_scored`` also counts
-  the projected products as ceil(n_real r / head_dim) key-equivalents.
+  the projected products and the per-key norms they read as
+  ceil(n_real (r + 2) / head_dim) key-equivalents.
 
   Every field of the policy is honoured: the search strategy and its fields,
   ``bound``, and ``max_topk`` (a row whose certified set is larger keeps the

@@ -28,13 +28,13 @@ blocks of ``block_size`` and gives each block the mass bound sum_i e^{u_i}
 (a log-sum-exp rounded up), so it scores keys in decreasing order of their
 bound, the order of the numpy simulation in ``experiments/bench_selection``.
 
-Cost, counted honestly: a_q.a_k costs r of the d multiply-adds of a full q.k
-per key, so ``keys_scored`` adds ceil(n_real r / d) key-equivalents to the
-q.k products of the scored blocks. The key-side work (P, a_k = P^T k for
-every key, the residual norms, the sort) is a summary of the keys, like the
-box and ball summaries it replaces: computed once per key and shared by
-every query that reads those keys (a GQA group, all decode steps, all
-queries of a prefill), and not counted, as summaries are not (THEORY 6.4).
+Cost, counted honestly (THEORY 6.4: the share of a key's bytes read): each
+query reads per key its r projected coordinates, its residual norm and its
+norm, so ``keys_scored`` adds ceil(n_real (r + 2) / d) key-equivalents to
+the q.k products of the scored blocks. Making the summary (P, a_k = P^T k,
+the residual norms, the sort) is key-side work done once per key and
+shared by every query that reads those keys (a GQA group, all decode
+steps, all queries of a prefill); it is not counted.
 """
 
 import dataclasses
@@ -187,8 +187,8 @@ def lowrank_search_row(
 
   Returns:
     As ``_search.search_row_partial``, in the original key order; the
-    Partial's ``keys_scored`` includes ceil(n_real r / d) for the projected
-    dot products.
+    Partial's ``keys_scored`` includes ceil(n_real (r + 2) / d) for the
+    projected dot products and the per-key norms they read.
   """
   n, d = keys.shape
   nb = n // block_size
@@ -225,6 +225,6 @@ def lowrank_search_row(
   )
   back = lambda x: jnp.zeros_like(x).at[order].set(x)  # noqa: E731
   n_real = jnp.sum(valid, dtype=jnp.int32)
-  proj_cost = (n_real * rank + d - 1) // d  # ceil(n_real r / d)
+  proj_cost = (n_real * (rank + 2) + d - 1) // d  # ceil(n_real (r+2) / d)
   part = dataclasses.replace(part, keys_scored=part.keys_scored + proj_cost)
   return back(s), back(keep), back(scored), part

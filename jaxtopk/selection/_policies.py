@@ -40,7 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtopk.selection import _strategies
+from jaxtopk.selection._strategies import Auto
 from jaxtopk.selection._strategies import Box
+from jaxtopk.selection._strategies import Codes
 from jaxtopk.selection._strategies import DeltaSearch
 from jaxtopk.selection._strategies import Exact
 from jaxtopk.selection._strategies import KeyBound
@@ -63,6 +65,7 @@ FEATURES = frozenset(
     "search=mc",
     "bound=box",
     "bound=lowrank",
+    "bound=codes",
     "max_topk",
   }
 )
@@ -272,14 +275,18 @@ class Certified(Policy):
   (unless ``max_topk`` caps the kept set; the row then reports its true,
   larger bound).
 
-  Construction: ``Certified(eps, search)`` with ``search`` a strategy
-  (``Exact()``, ``DeltaSearch(block_size, bound)``, ``MCSearch(block_size,
-  delta, num_samples)``) or its name, 'exact', 'delta' or 'mc', with the
-  strategy's fields as keywords: ``Certified(0.05, 'delta',
-  block_size=32)``, ``Certified(eps, 'delta', bound='lowrank', rank=16)``,
-  ``Certified(0.01, 'mc', delta=0.05, num_samples=4)``. A keyword that the
-  chosen search does not read (``Certified(0.1, delta=0.05)``, exact) is
-  refused by name, as is a keyword given next to a strategy object.
+  Construction: ``Certified(eps)`` leaves the search to the backend
+  (``Auto()``: the cheapest sound strategy it has for the inputs, the exact
+  search where it has no cheaper one); ``Certified(eps, search)`` with
+  ``search`` a strategy (``Exact()``, ``DeltaSearch(block_size, bound)``,
+  ``MCSearch(block_size, delta, num_samples)``, ``Auto()``) or its name,
+  'exact', 'delta', 'mc' or 'auto', with the strategy's fields as keywords:
+  ``Certified(0.05, 'delta', block_size=32)``, ``Certified(eps, 'delta',
+  bound='lowrank', rank=16)``, ``Certified(eps, 'delta', bound='codes')``,
+  ``Certified(0.01, 'mc', delta=0.05, num_samples=4)``. A named strategy is
+  always run as named. A keyword that the chosen search does not read
+  (``Certified(0.1, delta=0.05)``) is refused by name, as is a keyword given
+  next to a strategy object.
 
   Attributes:
     eps: TV budget in (0, 1).
@@ -300,7 +307,7 @@ class Certified(Policy):
   def __init__(
     self,
     eps,
-    search="exact",
+    search="auto",
     block_size=None,
     delta=None,
     num_samples=None,
@@ -380,6 +387,7 @@ def _make_search(search, given) -> SearchStrategy:
       f" {sorted(_strategies.SEARCHES)}"
     )
   allowed = {
+    "auto": ("block_size",),
     "exact": ("block_size",),
     "delta": ("block_size", "bound", "rank"),
     "mc": ("block_size", "delta", "num_samples"),
@@ -405,7 +413,8 @@ def _make_search(search, given) -> SearchStrategy:
       )
   elif not isinstance(bound, str):
     raise TypeError(
-      f"Certified.bound={bound!r} must be 'box', 'lowrank' or a KeyBound"
+      f"Certified.bound={bound!r} must be 'box', 'lowrank', 'codes' or a"
+      " KeyBound"
     )
   elif bound not in _strategies.BOUNDS:
     raise ValueError(
@@ -415,11 +424,11 @@ def _make_search(search, given) -> SearchStrategy:
     bound = LowRank(16 if rank is None else rank)
   elif rank is not None:
     raise ValueError(
-      f"Certified.rank={rank!r} is not read by bound='box' (it applies to"
-      " bound='lowrank'); remove it"
+      f"Certified.rank={rank!r} is not read by bound={bound!r} (it applies"
+      " to bound='lowrank'); remove it"
     )
   else:
-    bound = Box()
+    bound = _strategies.BOUNDS[bound]()
   return DeltaSearch(bound=bound, **kw)
 
 
@@ -434,7 +443,9 @@ def _users(field):
 
 
 __all__ = [
+  "Auto",
   "Box",
+  "Codes",
   "Certified",
   "DeltaSearch",
   "Dense",

@@ -142,7 +142,7 @@ def box_abs_dot(query, box, scale) -> jax.Array:
   per = core.abs_dot_box(query, a)  # [..., g, nb]
   per = jnp.where(box.count[..., None, :] > 0, per, 0.0)
   dt = per.dtype
-  return scale * jnp.max(per, -1) * (1 + 2 * jnp.finfo(dt).eps)
+  return scale * core.max_nan(per, -1) * (1 + 2 * jnp.finfo(dt).eps)
 
 
 def box_upper_bound_dot(query, box, *, scale) -> jax.Array:
@@ -252,6 +252,7 @@ def search_row_partial(
   scale,
   max_topk=None,
   value_norms=None,
+  block_summary_keys=0,
 ):
   """Delta- or MC-Search for ONE row; see the module docstring.
 
@@ -270,12 +271,16 @@ def search_row_partial(
     scale: logit scale.
     max_topk: optional cap on the kept set (``Certified.max_topk``).
     value_norms: optional ``[n]`` value norms (for the output bound).
+    block_summary_keys: static key-equivalents read per non-empty block by
+      the bounds ``u`` (THEORY 6.4: 2 for a box, 3 for a box and a ball;
+      0 when the caller counts its own), added to ``keys_scored``.
 
   Returns:
     ``(logits, keep, scored, partial)``: ``[n]`` logits (0 where not
     scored), ``[n]`` bool kept and scored keys, and the row's
     ``core.Partial`` (every scored key, plus the unscored blocks' bounds in
-    its tail; ``keys_scored`` counts q.k products, MC samples included).
+    its tail; ``keys_scored`` counts q.k products, MC samples and the
+    block summaries included).
   """
   n, d = keys.shape
   block_size = search.block_size
@@ -327,13 +332,13 @@ def search_row_partial(
     scored,
     logit_error=delta,
     value_norms=value_norms,
-    keys_scored=n_sc + n_samp,
+    keys_scored=n_sc + n_samp + block_summary_keys * jnp.sum(cnt > 0),
   )
   unscored = ~sblk & (cnt > 0)
   block_norms = None
   if value_norms is not None:
     vn = jnp.where(vb, value_norms.reshape(nb, block_size), 0.0)
-    block_norms = jnp.max(vn, -1)  # [nb]
+    block_norms = core.max_nan(vn, -1)  # [nb]
   part = part.add_tail(
     u_eff + jnp.log(jnp.maximum(cnt, 1).astype(dt)),
     unscored,

@@ -4,12 +4,23 @@ THEORY 6.1-6.3. A ``Certified(eps)`` policy states WHAT is promised (tv <= eps
 on every valid row); its ``search`` strategy states HOW the kept set is
 found, and carries the fields that only that search reads:
 
+- ``Auto(block_size)`` (the default of ``Certified(eps)``): the cheapest
+  sound strategy the backend has for the inputs. A backend that knows no
+  cheaper one runs it as ``Exact`` (its capability is 'search=exact':
+  whatever honours the exact search honours Auto); the XLA decode over a
+  ``KVCache`` or a content index bounds each key from its 8-bit code
+  (``Codes``) where a small sample of code estimates says the row is
+  concentrated enough to pay, the XLA prefill runs Delta-Search at tile
+  granularity and scores every key of a tile where that does not pay. An
+  explicitly named strategy is always run as named.
 - ``Exact(block_size)``: every logit scored, minimal certified set by
   threshold search (THEORY 6.1).
 - ``DeltaSearch(block_size, bound)``: blocks scored in order of an upper
   bound on their mass until the blockwise bound certifies eps (THEORY 6.2);
-  ``bound`` is ``Box()`` (box and ball block summaries, THEORY 3.3) or
-  ``LowRank(rank)`` (per-key bounds from a rank-r projection).
+  ``bound`` is ``Box()`` (box and ball block summaries, THEORY 3.3),
+  ``LowRank(rank)`` (per-key bounds from a rank-r projection) or
+  ``Codes()`` (per-key bounds from 8-bit key codes kept in the cache,
+  THEORY 3.5).
 - ``MCSearch(block_size, delta, num_samples)``: sampled block masses with a
   Hoeffding bound; the certificate holds with probability >= 1 - delta
   (THEORY 6.3).
@@ -122,6 +133,22 @@ class LowRank(KeyBound):
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Codes(KeyBound):
+  """Per-key bounds from 8-bit codes of the keys (THEORY 3.5).
+
+  u_i = scale 2^e_i (q.c_i + ||q||_1 / 2) plus rounding
+  (``selection.key_codes``): sound for every key, within a fraction of a
+  logit of it on real attention heads. The codes are kept by the
+  ``KVCache`` at append time; each code product counts in ``keys_scored``
+  as its share of the key's bytes ((d + 1) / (4 d) for float32 keys).
+  Keys are then scored in decreasing order of their bound (candidates
+  above a threshold, one gather).
+  """
+
+  name = "codes"
+
+
 class SearchStrategy:
   """Base of ``Certified``'s search strategies."""
 
@@ -177,6 +204,36 @@ class Exact(SearchStrategy):
 
 
 @dataclasses.dataclass(frozen=True)
+class Auto(SearchStrategy):
+  """The cheapest sound search for the inputs (the default of Certified).
+
+  See the module docstring: backends without a cheaper strategy run the
+  exact search (capability 'search=exact'); the XLA decode and prefill
+  choose per row or tile between a bounded search and the exact one.
+  ``block_size`` is the key-block granularity where a backend needs one
+  (the prefill's tile search, Pallas); the decode uses the cache's own.
+
+  Attributes:
+    block_size: key-block granularity for backends that work on blocks.
+  """
+
+  block_size: int = 64
+  name = "auto"
+
+  def __post_init__(self):
+    self._check_block_size()
+
+  @property
+  def feature(self) -> str:
+    return "search=exact"
+
+  @property
+  def scores_all(self) -> bool:
+    """True: a backend that knows no cheaper strategy runs the exact one."""
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
 class DeltaSearch(SearchStrategy):
   """Delta-Search: score blocks in order of their bound until certified.
 
@@ -184,7 +241,7 @@ class DeltaSearch(SearchStrategy):
 
   Attributes:
     block_size: keys per block.
-    bound: ``Box()`` or ``LowRank(rank)``.
+    bound: ``Box()``, ``LowRank(rank)`` or ``Codes()``.
   """
 
   block_size: int = 64
@@ -195,7 +252,8 @@ class DeltaSearch(SearchStrategy):
     self._check_block_size()
     if not isinstance(self.bound, KeyBound):
       raise TypeError(
-        f"DeltaSearch.bound={self.bound!r} must be Box() or LowRank(rank)"
+        f"DeltaSearch.bound={self.bound!r} must be Box(), LowRank(rank) or"
+        " Codes()"
       )
 
 
@@ -236,5 +294,10 @@ class MCSearch(SearchStrategy):
     return True
 
 
-SEARCHES = {"exact": Exact, "delta": DeltaSearch, "mc": MCSearch}
-BOUNDS = {"box": Box, "lowrank": LowRank}
+SEARCHES = {
+  "auto": Auto,
+  "exact": Exact,
+  "delta": DeltaSearch,
+  "mc": MCSearch,
+}
+BOUNDS = {"box": Box, "lowrank": LowRank, "codes": Codes}

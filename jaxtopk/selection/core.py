@@ -48,6 +48,12 @@ Names (one line each):
 - ``exp_up(log_b)``: exp of a log bound, never below it (>= tiny if > -inf).
 - ``up_positive(x, positive)``: ``x`` raised to the smallest normal where
   its exact value is positive.
+- ``round_up(x)`` / ``round_down(x)``: past the rounding of the one float
+  operation that made ``x`` (2 eps relative plus the smallest normal, for
+  a flushed result); the rule every per-key bound applies per operation.
+- ``pow2(e, dtype)``: 2**e exactly (no exp2 rounding, no reciprocal).
+- ``max_nan(x, axis)``: a max reduction that keeps NaN (XLA:CPU's does
+  not): every summary that must carry a broken input uses it.
 - ``flushed(x, axis)``: whether a vector holds subnormal components that a
   CPU reads as 0.
 - ``norms_up(x, axis)``: ||x||_2 rounded up, no underflow, no spurious
@@ -112,6 +118,8 @@ norms_up = _theory.norms_up
 mul_up = _theory.mul_up
 mul_norm_up = _theory.mul_norm_up
 dist_up = _theory.dist_up
+pow2 = _theory.pow2
+max_nan = _theory.max_nan
 
 # THE matmul precision of every product a certificate is computed from (q.k
 # logits, q.c of group centres, box and ball bounds, MC samples): full
@@ -164,6 +172,26 @@ def _opaque(x):
   return jax.lax.optimization_barrier(x)
 
 
+def round_up(x) -> jax.Array:
+  """``x`` raised past the rounding of the one float operation that made it.
+
+  One rounded operation (a sum, a product, a division by a power of two) is
+  off by at most eps/2 of its result, plus less than the smallest normal
+  when the result is subnormal or flushed to 0 (CPUs flush): x + 2 eps |x|
+  + tiny covers both, with room for the rounding of this formula. -inf
+  stays -inf (no mass); +inf and NaN stay.
+  """
+  x = jnp.asarray(x)
+  up = x + jnp.abs(x) * (2 * _eps(x.dtype)) + _tiny(x.dtype)
+  return jnp.where(x == -jnp.inf, x, up)
+
+
+def round_down(x) -> jax.Array:
+  """``-round_up(-x)``: below the exact value of the operation that made
+  ``x``; +inf stays +inf."""
+  return -round_up(-jnp.asarray(x))
+
+
 def value_norms(values) -> jax.Array:
   """``[..., n]`` ||v_j||_2 of ``[..., n, d_v]`` values, rounded up.
 
@@ -184,9 +212,9 @@ def value_norms(values) -> jax.Array:
 def max_norm(norms, where) -> jax.Array:
   """``[...]`` max of ``norms`` ``[..., n]`` over ``where``; 0 if empty.
 
-  NaN propagates (a broken value among ``where``).
+  NaN propagates (a broken value among ``where``; ``max_nan``).
   """
-  return jnp.max(jnp.where(where, norms, 0.0), axis=-1, initial=0.0)
+  return max_nan(jnp.where(where, norms, 0.0), axis=-1, initial=0.0)
 
 
 def abs_dot_box(query, k_absmax) -> jax.Array:

@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxtopk.selection import core
+
 NUM_BINS = 64  # bins per budget histogram pass
 LEVELS = 3  # budget histogram passes (coarse + 2 refinements)
 DIGIT_BITS = 8  # bits per radix pass of topk_threshold
@@ -444,7 +446,7 @@ def column_max(logits, valid, *, group: int = GROUP):
   if n % group:
     raise ValueError(f"{group=} must divide the key axis {n=}")
   x = jnp.where(valid, s, -jnp.inf).reshape(*s.shape[:-1], group, n // group)
-  return jnp.max(x, axis=-2)
+  return core.max_nan(x, axis=-2)  # XLA:CPU's own max drops NaN
 
 
 def _prefix_sum(c):

@@ -109,8 +109,9 @@ def box_summary(keys, *, block_size: int, mask=None) -> BoxSummary:
   kb, vb = _blocked(keys, block_size, mask)
   big = jnp.finfo(kb.dtype).max
   v = vb[..., None]
-  kmin = jnp.min(jnp.where(v, kb, big), axis=-2)  # [..., nb, d]
-  kmax = jnp.max(jnp.where(v, kb, -big), axis=-2)  # [..., nb, d]
+  # _floats.max_nan: a NaN key makes its block's box NaN (never skipped).
+  kmin = -_floats.max_nan(jnp.where(v, -kb, -big), axis=-2)  # [..., nb, d]
+  kmax = _floats.max_nan(jnp.where(v, kb, -big), axis=-2)  # [..., nb, d]
   count = jnp.sum(vb, axis=-1, dtype=jnp.int32)  # [..., nb]
   empty = (count == 0)[..., None]
   return BoxSummary(
@@ -142,7 +143,7 @@ def ball_summary(keys, *, block_size: int, mask=None) -> BallSummary:
   denom = jnp.maximum(count, 1)[..., None].astype(kb.dtype)
   centre = jnp.sum(jnp.where(v, kb, 0.0), axis=-2) / denom  # [..., nb, d]
   dist = _floats.dist_up(kb, centre[..., None, :])  # [..., nb, bs]
-  radius = jnp.max(jnp.where(vb, dist, 0.0), axis=-1)  # [..., nb]
+  radius = _floats.max_nan(jnp.where(vb, dist, 0.0), axis=-1)  # [..., nb]
   return BallSummary(centre=centre, radius=radius, count=count)
 
 

@@ -22,7 +22,8 @@ imports a private theory module (``tests/api_test.py`` forbids new ones).
   row (``jaxtopk.theory.blockwise_log_bound`` is its vmapped public form),
   for code that vmaps rows itself.
 - ``flushed``, ``subnormal``, ``norms_up``, ``norms_and_finite``,
-  ``mul_up``, ``mul_norm_up``, ``dist_up``, ``pow2``: the float-safe
+  ``mul_up``, ``mul_norm_up``, ``dist_up``, ``pow2``, ``max_nan``: the
+  float-safe
   primitives of ``_floats`` (norms and products that neither flush nor
   overflow; value norms stored compressed above 2^126).
 """
@@ -30,6 +31,7 @@ imports a private theory module (``tests/api_test.py`` forbids new ones).
 from jaxtopk.theory._blockwise import blockwise_log_bound_row
 from jaxtopk.theory._floats import dist_up
 from jaxtopk.theory._floats import flushed
+from jaxtopk.theory._floats import max_nan
 from jaxtopk.theory._floats import mul_norm_up
 from jaxtopk.theory._floats import mul_up
 from jaxtopk.theory._floats import norms_and_finite
@@ -50,6 +52,7 @@ __all__ = [
   "finish_log_bound",
   "flushed",
   "log_slack",
+  "max_nan",
   "mul_norm_up",
   "mul_up",
   "norms_and_finite",

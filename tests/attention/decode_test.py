@@ -130,7 +130,7 @@ class DecodeTest(parameterized.TestCase):
     ("fixedk_candidates", jaxtopk.FixedK(5)),  # sub-block candidate path
     ("ratio_full_row", jaxtopk.Ratio(1 / 8)),  # one radix over the row
     ("dense", jaxtopk.Dense()),
-    ("certified_exact", jaxtopk.Certified(0.05)),
+    ("certified_exact", jaxtopk.Certified(0.05, "exact")),
   )
   def test_matches_topk_attention(self, policy):
     _, cache, k, v = _filled_cache()

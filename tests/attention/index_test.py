@@ -14,6 +14,7 @@ from hypothesis import settings
 
 import jaxtopk
 from jaxtopk.attention import _index_search
+from jaxtopk.selection import key_codes
 from tests.theory import truth
 
 B, N, HK, H, D, DV = 2, 45, 1, 2, 5, 3  # GQA: 2 query heads per kv head
@@ -116,7 +117,8 @@ class IndexSoundnessTest(parameterized.TestCase):
   @settings(max_examples=_EXAMPLES)
   @given(case=_cases(), m=st.integers(0, 12))
   def test_sound(self, dtype, case, m):
-    """Delta/MC-Search, certify_selection and grow_selection vs float64."""
+    """Delta/MC-Search, the code-bounded group search, certify_selection
+    and grow_selection (with the codes, the default) vs float64."""
     kind, seed, lengths, eps = case
     k, v, q = _draw_arrays(kind, seed)
     index = _index(k, v, lengths, dtype)
@@ -133,17 +135,23 @@ class IndexSoundnessTest(parameterized.TestCase):
     kf, vf, valid = _stored(index)
     q64 = truth.as64(query)[:, 0]  # [b, h, d]
     scale = 1 / np.sqrt(D)
-    for search in ("delta", "mc"):
+    for search in ("delta", "mc", "codes"):
       extra = dict(delta=1e-6) if search == "mc" else {}
-      pol = jaxtopk.Certified(eps, search, block_size=C, **extra)
-      out, cert, kept = _index_search._search_decode(
-        query,
-        index,
-        jax.random.key(seed % 1000),
-        eps,
-        policy=jaxtopk.Certified(0.5, pol.search),  # eps traced, as the API
-        scale=scale,
-      )
+      if search == "codes":  # group bounds from the keys' 8-bit codes
+        use = jnp.ones((B, 1, H), bool)
+        out, cert, kept = _index_search._codes_search(
+          query, index, use, eps, scale=scale
+        )
+      else:
+        pol = jaxtopk.Certified(eps, search, block_size=C, **extra)
+        out, cert, kept = _index_search._search_decode(
+          query,
+          index,
+          jax.random.key(seed % 1000),
+          eps,
+          policy=jaxtopk.Certified(0.5, pol.search),  # eps traced, as the API
+          scale=scale,
+        )
       for b in range(B):
         self.assertEqual(bool(np.any(cert.valid[b])), lengths[b] > 0)
         for h in range(H):
@@ -330,6 +338,13 @@ class IndexTest(parameterized.TestCase):
     )
     np.testing.assert_array_equal(cert.k_kept[0], 2)
     n_groups = int(np.sum(np.asarray(index.count[0, 0]) > 0))
+    # The selection, the group summaries, 2 for the query, and the codes of
+    # the N stored keys at their byte share (THEORY 3.5).
+    codes = int(key_codes.code_cost(N, D, jnp.float32))
+    np.testing.assert_array_equal(cert.keys_scored[0], 2 + n_groups + 2 + codes)
+    cert = jaxtopk.certify_selection(
+      q, index, np.broadcast_to(dup, (B, 1, 1, 6)), codes=False
+    )
     np.testing.assert_array_equal(cert.keys_scored[0], 2 + n_groups + 2)
 
   def test_grow_cap_reports_true_bound(self):

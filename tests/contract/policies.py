@@ -2,8 +2,10 @@
 
 One line per policy; together they use every field of every policy
 (``Policy.features``): the four fixed-count policies, and ``Certified`` with
-each search strategy (exact, Delta-Search with the box and the low-rank
-bound, MC-Search), each with its own fields set, and ``max_topk``. A policy
+each search strategy (the default Auto, which every path honours at least
+as the exact search; Delta-Search with the box, the low-rank and the
+key-code bound; MC-Search), each with its own fields set, and
+``max_topk``. A policy
 joins by adding one line. Block sizes are 4 so that block-granular paths
 (Pallas, Delta-/MC-Search) really keep or drop blocks of the 7-key rows.
 """
@@ -27,6 +29,10 @@ POLICIES = (
   (
     "cert_lowrank",
     jaxtopk.Certified(0.1, "delta", block_size=BLOCK, bound="lowrank", rank=2),
+  ),
+  (
+    "cert_codes",
+    jaxtopk.Certified(0.1, "delta", block_size=BLOCK, bound="codes"),
   ),
   (
     "cert_mc",

@@ -591,9 +591,16 @@ _PALLAS_DECODE = capabilities(
   "policy=Dense", "policy=Certified", "search=delta", "bound=box", "max_topk"
 )
 # The XLA prefill (and the Flax layer / attention_fn on it) refuses the
-# low-rank key bound by name (topk_attention docstring).
-_XLA_PREFILL = ALL - {"bound=lowrank", "search=mc"}
-_SHARDED = ALL - {"search=delta", "search=mc", "bound=box", "bound=lowrank"}
+# low-rank and key-code bounds by name (topk_attention docstring: no cache
+# keeps codes there).
+_XLA_PREFILL = ALL - {"bound=lowrank", "bound=codes", "search=mc"}
+_SHARDED = ALL - {
+  "search=delta",
+  "search=mc",
+  "bound=box",
+  "bound=lowrank",
+  "bound=codes",
+}
 # The layer's decode loop: decode_attention steps (BOX) and a masked step
 # (the XLA prefill: no MC-Search).
 _FLAX_DECODE = BOX - {"search=mc"}

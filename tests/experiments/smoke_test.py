@@ -114,11 +114,22 @@ class SmokeRunTest(parameterized.TestCase):
       record["decode"]["nnx_multi_head_attention"]["cache_filled_to"], 31
     )
 
+  def _check_bound_study(self, record):
+    r = record["llm_like"]
+    self.assertEqual(r["heads"], 5)
+    for fam in ("codes8", "ball16", "pca8", "lib_auto", "lib_exact"):
+      self.assertGreater(r[fam], 0.0)
+    self.assertLessEqual(r["lib_auto_max"], 1.25 + 0.05)
+    self.assertEqual(r["lib_exact"], 1.0)  # the exact search scores all
+    for p in ("auto", "codes", "exact"):
+      self.assertEqual(r[f"lib_{p}_sound"], 1.0)
+      self.assertLessEqual(r[f"lib_{p}_tv_max_max"], 0.05)
+
   def _check_bench_attention(self, record):
     for r in record["prefill"]:
       dense = r["variants"]["dense"]
       self.assertLess(dense["max_abs_diff_vs_jax_nn"], 1e-4)
-      for var in ("certified", "certified_delta"):
+      for var in ("certified", "certified_exact", "certified_delta"):
         cert = r["variants"][var]["certificate"]
         self.assertLessEqual(cert["tv_bound_max"], 0.05)
         self.assertEqual(cert["valid_fraction"], 1.0)

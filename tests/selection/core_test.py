@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxtopk.selection import core
+from jaxtopk.selection import key_codes
 
 LD = np.longdouble  # 80-bit on x86: exact products of float32 values
 F32 = np.finfo(np.float32)
@@ -124,6 +125,32 @@ class NormsTest(parameterized.TestCase):
     self.assertGreaterEqual(got[0], 5.0)
     self.assertEqual(got[1], np.inf)
     self.assertTrue(np.isnan(_norms_up(np.array([np.nan, 1.0], np.float32))))
+
+  @parameterized.parameters(0, 1, 5, 777, 2047)
+  def test_one_nan_reaches_every_summary_under_jit(self, pos):
+    # XLA:CPU's max reduction keeps the other operand of a NaN: a NaN at
+    # position 1 of a [2048, 32] array was lost by jnp.max under jit.
+    x = np.random.default_rng(pos).standard_normal((1, 2048, 1, 32))
+    x = x.astype(np.float32)
+    x[0, pos, 0, 1] = np.nan
+    summaries = jax.jit(
+      lambda x: (
+        core.max_nan(x, axis=-1),
+        core.max_nan(x, axis=1),
+        core.norms_up(x),
+        core.max_norm(core.norms_up(x)[..., 0], True),
+        key_codes.encode_keys(x)[1],
+      )
+    )(x)
+    row, col, nrm, mx, expo = (np.asarray(a) for a in summaries)
+    self.assertTrue(np.isnan(row[0, pos, 0]))
+    self.assertEqual(int(np.isnan(row).sum()), 1)
+    self.assertTrue(np.isnan(col[0, 0, 1]))
+    self.assertTrue(np.isnan(nrm[0, pos, 0]))
+    self.assertTrue(np.isnan(mx[0]))
+    bad = key_codes.nonfinite_exponent(jnp.float32)
+    self.assertEqual(int(expo[0, pos, 0]), bad)
+    self.assertEqual(int((expo == bad).sum()), 1)
 
   def test_value_norms_mark_non_finite_values_nan(self):
     v = np.array([[[1.0, 2.0], [np.inf, 0.0], [3e38, 3e38]]], np.float32)

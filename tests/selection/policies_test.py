@@ -9,7 +9,9 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import jaxtopk
+from jaxtopk.selection import Auto
 from jaxtopk.selection import Box
+from jaxtopk.selection import Codes
 from jaxtopk.selection import DeltaSearch
 from jaxtopk.selection import Exact
 from jaxtopk.selection import LowRank
@@ -97,7 +99,7 @@ class ValidationTest(parameterized.TestCase):
 
 class StrategyTest(parameterized.TestCase):
   @parameterized.named_parameters(
-    ("default", lambda: jaxtopk.Certified(0.05), Exact()),
+    ("default", lambda: jaxtopk.Certified(0.05), Auto()),
     (
       "delta",
       lambda: jaxtopk.Certified(0.05, search="delta", block_size=32),
@@ -119,9 +121,19 @@ class StrategyTest(parameterized.TestCase):
       MCSearch(64, 0.05, 4),
     ),
     (
-      "exact_block",
+      "auto_block",
       lambda: jaxtopk.Certified(0.05, block_size=16),
+      Auto(16),
+    ),
+    (
+      "exact_block",
+      lambda: jaxtopk.Certified(0.05, "exact", block_size=16),
       Exact(16),
+    ),
+    (
+      "codes",
+      lambda: jaxtopk.Certified(0.05, "delta", bound="codes"),
+      DeltaSearch(64, Codes()),
     ),
     (
       "object",
@@ -145,7 +157,8 @@ class StrategyTest(parameterized.TestCase):
     self.assertEqual((low.bound, low.rank, low.delta), (LowRank(8), 8, None))
     self.assertEqual(low.failure_prob, 0.0)
     ex = jaxtopk.Certified(0.1)
-    self.assertTrue(ex.search.scores_all)
+    self.assertTrue(ex.search.scores_all)  # exact where nothing cheaper
+    self.assertEqual(ex.search.feature, "search=exact")
     self.assertIsNone(ex.num_samples)
 
   def test_equal_policies_hash_alike_and_replace(self):

@@ -1,0 +1,142 @@
+"""decode_attention over the key codes (THEORY 3.5) vs float64 truth.
+
+The key-code path of the XLA decode (``bound='codes'``, and ``Auto`` on
+caches of ``AUTO_MIN_KEYS`` positions or more): soundness on the
+adversarial rows of ``decode_property_test`` (identity values: the output
+is P_hat), the honest cost in ``keys_scored``, and Auto's choice per row.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import absltest
+from absl.testing import parameterized
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+import jaxtopk
+from jaxtopk.attention import _decode
+from jaxtopk.selection import key_codes
+from tests.attention import decode_property_test as dpt
+
+_CI_EXAMPLES = (
+  settings.default.max_examples
+  if os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
+  else 12
+)
+
+CODES = (
+  jaxtopk.Certified(0.05, "delta", bound="codes"),
+  jaxtopk.Certified(0.01, "delta", bound="codes", max_topk=4),
+)
+
+
+def _check_row(test, out, cert, q, k, length, policy, dt):
+  """The assertions of ``decode_property_test`` for every head."""
+  q64 = np.asarray(jnp.asarray(q, dt).astype(jnp.float32), np.float64)
+  k64 = np.asarray(jnp.asarray(k, dt).astype(jnp.float32), np.float64)
+  n = k.shape[0]
+  x = np.abs(np.concatenate([q64.ravel(), k64[:length].ravel()]))
+  benign = bool(np.all((x == 0) | ((x >= dpt.TINY) & (x < 1e6))))
+  eps_out = float(jnp.finfo(dt).eps)
+  for h in range(q.shape[0]):
+    s = k64[:length] @ q64[h] / np.sqrt(q.shape[1])
+    p = np.zeros(n)
+    p[:length] = np.exp(s - s.max()) / np.sum(np.exp(s - s.max()))
+    o = np.asarray(out[0, 0, h].astype(jnp.float32), np.float64)
+    c = jax.tree.map(lambda x, h=h: x[0, 0, h], cert)
+    kept = int(c.k_kept)
+    test.assertLessEqual(int(np.sum(o > 0)), kept)
+    if policy.max_topk is not None:
+      test.assertLessEqual(kept, policy.max_topk)
+    if not bool(c.valid):
+      normal = np.all(np.isfinite(s)) and np.all(np.abs(s) < 3e38)
+      test.assertFalse(normal, f"invalid normal row {s[:6]}")
+      continue
+    tv = float(c.tv_bound)
+    tau = float(np.sum(p[o <= 0]))
+    slack = n * dpt.TINY
+    test.assertGreaterEqual(tv, tau - slack)
+    err = float(np.linalg.norm(p - o))
+    rnd = 16 * eps_out * max(float(np.linalg.norm(o)), dpt.TINY)
+    test.assertGreaterEqual(float(c.output_error_bound), err - rnd - slack)
+    capped = policy.max_topk is not None and kept >= policy.max_topk
+    if np.isfinite(tv) and not capped and benign:
+      test.assertLessEqual(tv, policy.eps)
+
+
+class CodesDecodeTest(parameterized.TestCase):
+  @pytest.mark.slow  # 4 compilations, 12 examples in CI
+  @settings(max_examples=_CI_EXAMPLES)
+  @given(
+    row=dpt.decode_rows(),
+    which=st.integers(0, len(CODES) - 1),
+    bf16=st.booleans(),
+  )
+  def test_certificate_sound_vs_float64(self, row, which, bf16):
+    q, k, length = row
+    policy = CODES[which]
+    dt = jnp.bfloat16 if bf16 else jnp.float32
+    out, cert = dpt._decode(q, k, length, policy, dt)
+    _check_row(self, out, cert, q, k, length, policy, dt)
+
+  def test_cost_counts_the_codes(self):
+    # Peaked row: few candidates; keys_scored = ceil(n (d + 1) / (4 d)) +
+    # the candidates scored, well below n; the kept keys are scored ones.
+    rng = np.random.default_rng(0)
+    k = np.float32(rng.normal(size=(dpt.N, dpt.D)) * 4)
+    q = np.float32(rng.normal(size=(dpt.H, dpt.D)))
+    policy = CODES[0]
+    out, cert = dpt._decode(q, k, dpt.N, policy, jnp.float32)
+    code = int(key_codes.code_cost(dpt.N, dpt.D, jnp.float32))
+    scored = np.asarray(cert.keys_scored[0, 0])
+    kept = np.asarray(cert.k_kept[0, 0])
+    self.assertTrue(np.all(scored >= code + kept), (scored, kept))
+    self.assertTrue(np.all(scored < dpt.N), scored)
+    _check_row(self, out, cert, q, k, dpt.N, policy, jnp.float32)
+
+
+class AutoDecodeTest(parameterized.TestCase):
+  """Auto on a cache of AUTO_MIN_KEYS positions: each row its own branch."""
+
+  N = _decode.AUTO_MIN_KEYS
+
+  def _decode(self, q, k):
+    # One kv head per query head: each row decides for itself (heads of a
+    # GQA group share their kv head's choice).
+    n, d = k.shape
+    h = q.shape[0]
+    cache = jaxtopk.init_kv_cache(1, n, h, d, block_size=64, value_dim=n)
+    kk = jnp.broadcast_to(jnp.asarray(k)[None, :, None], (1, n, h, d))
+    eye = jnp.eye(n, dtype=jnp.float32)[None, :, None]
+    cache = jaxtopk.kv_cache_update(
+      cache, kk, jnp.broadcast_to(eye, (1, n, h, n))
+    )
+    return jaxtopk.decode_attention(
+      jnp.asarray(q)[None, None], cache, policy=jaxtopk.Certified(0.05)
+    )
+
+  @pytest.mark.slow  # one compilation of the per-row map
+  def test_flat_rows_cost_the_keys_and_peaked_rows_save(self):
+    rng = np.random.default_rng(1)
+    d = 8
+    k = np.float32(rng.normal(size=(self.N, d)))
+    # Head 0 flat (tiny query), head 1 peaked (large query), in one batch.
+    q = np.float32(np.stack([rng.normal(size=d) * 1e-3, k[7] * 8.0]))
+    out, cert = self._decode(q, k)
+    scored = np.asarray(cert.keys_scored[0, 0])
+    # Flat: the exact search (every key) plus the codes of the 32-key
+    # sample that chose it.
+    sample = int(key_codes.code_cost(_decode.AUTO_SAMPLE, 8, jnp.float32))
+    self.assertEqual(int(scored[0]), self.N + sample)
+    self.assertLess(int(scored[1]), self.N // 2)
+    policy = jaxtopk.Certified(0.05)
+    _check_row(self, out, cert, q, k, self.N, policy, jnp.float32)
+
+
+if __name__ == "__main__":
+  absltest.main()
