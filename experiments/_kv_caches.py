@@ -247,26 +247,36 @@ def decoder_params(dcfg, workdir):
   return model, c, time.time() - tick
 
 
+@dataclasses.dataclass(frozen=True)
+class _RecordQKV:
+  """Dense attention (``jaxtopk.Dense()``) that also returns its q, k, v.
+
+  A ``jaxtopk.models.DecoderAttention``: the decoder hands it the rotated
+  queries, keys and values of every layer.
+  """
+
+  def prefill(self, query, key, value, *, rng=None):
+    import jaxtopk
+    from jaxtopk import models
+
+    out, _ = models.PolicyAttention(jaxtopk.Dense()).prefill(query, key, value)
+    group = query.shape[2] // key.shape[2]  # GQA: one key head per group
+
+    def heads_first(x, repeat=1):  # [b, s, h, d] -> [b, h * repeat, s, d]
+      return jnp.repeat(x, repeat, axis=2).transpose(0, 2, 1, 3)
+
+    return out, (heads_first(query), heads_first(key, group),
+                 heads_first(value, group))  # fmt: skip
+
+  def decode(self, query, cache, *, rng=None):
+    raise NotImplementedError("_RecordQKV records prefills only")
+
+
 @nnx.jit
 def _decoder_qkv(model, tokens):
-  """Per layer: (q, k, v) ``[b, h, s, d]`` of a dense forward pass.
-
-  Walks the decoder's blocks as ``TopKDecoder._forward`` does (its token
-  shift, ``block.qkv`` and dense ``PolicyAttention``), keeping q, k, v.
-  """
-  import jaxtopk
-  from jaxtopk import models
-
-  dense = models.PolicyAttention(jaxtopk.Dense())
-  previous = jnp.pad(tokens[:, :-1], ((0, 0), (1, 0)))
-  x = model._embed(tokens, previous)
-  out = []
-  for block in model.blocks:
-    q, k, v = (t.transpose(0, 2, 1, 3) for t in block.qkv(x))  # [b, h, s, d]
-    out.append((q, k, v))
-    x, _, _, _ = block(x, attention=dense, rng=None)
-  logits = model.head(model.final_norm(x))
-  return out, logits
+  """Per layer: (q, k, v) ``[b, h, s, d]`` of a dense forward pass."""
+  logits, qkv = model(tokens, attention=_RecordQKV())
+  return qkv, logits
 
 
 def decoder_cache(model, c, tasks, num_sequences, seed) -> tuple[Cache, dict]:

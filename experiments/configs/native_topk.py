@@ -33,7 +33,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.num_heads = 4  # heads per block
   c.model.model_dim = 64  # residual width
   c.model.mlp_dim = 128  # MLP hidden width
-  c.model.token_shift = True  # previous-token feature (see _decoder.py)
+  c.model.rope_theta = 10000.0  # rotary base (Llama-style decoder)
 
   # Training. Protocol of THEORY 8.2: a dense base model, then two
   # fine-tunes from it with the same budget, one dense and one with Top-k

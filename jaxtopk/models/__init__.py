@@ -10,12 +10,14 @@ from jaxtopk.models._bert import AttentionTrace
 from jaxtopk.models._bert import BertEncoder
 from jaxtopk.models._bert import MiniLM
 from jaxtopk.models._bert_config import BertConfig
-from jaxtopk.models._decoder import DecoderAttention
 from jaxtopk.models._decoder import DecoderCache
-from jaxtopk.models._decoder import DecoderConfig
-from jaxtopk.models._decoder import PolicyAttention
+from jaxtopk.models._decoder import RMSNorm
 from jaxtopk.models._decoder import TopKDecoder
 from jaxtopk.models._decoder import decode_teacher_forced
+from jaxtopk.models._decoder_attention import DecoderAttention
+from jaxtopk.models._decoder_attention import PolicyAttention
+from jaxtopk.models._decoder_config import DecoderConfig
+from jaxtopk.models._generate import generate
 from jaxtopk.models._minilm import load_bert_weights
 from jaxtopk.models._minilm import load_minilm
 from jaxtopk.models._minilm import minilm_model_dir
@@ -23,3 +25,9 @@ from jaxtopk.models._minilm import minilm_tokenize
 from jaxtopk.models._pooling import l2_normalize
 from jaxtopk.models._pooling import mean_pool
 from jaxtopk.models._pooling import sentence_embedding
+from jaxtopk.models._pretrained import CheckpointConfig
+from jaxtopk.models._pretrained import load_pretrained
+from jaxtopk.models._pretrained import save_pretrained
+from jaxtopk.models._rope import RopeScaling
+from jaxtopk.models._rope import apply_rope
+from jaxtopk.models._rope import rope_frequencies
