@@ -218,8 +218,9 @@ def train(config, workdir, metrics):
   metrics.drop(lambda r: r.get("kind") == "train" and r["step"] > start)
   kinds = tuple(t.kinds)
   first = tuple(t.first_kinds) or kinds
-  window = {"loss": [], "answer_ce": [], "hits": np.zeros(len(kinds)),
-            "total": np.zeros(len(kinds))}  # fmt: skip
+  names = tuple(dict.fromkeys(first + kinds))  # each kind once, for metrics
+  window = {"loss": [], "answer_ce": [], "hits": np.zeros(len(names)),
+            "total": np.zeros(len(names))}  # fmt: skip
   progress = _common.Progress("train", t.steps - start, every_s=60)
   tick = time.time()
   for step in range(start, t.steps):
@@ -228,7 +229,7 @@ def train(config, workdir, metrics):
     inputs, targets, weights, answers, kind_ids = data.train_batch(
       config.seed, step, seq_len, batch_size, now, vocab, text, t.lm_weight
     )
-    kind_ids = np.asarray([kinds.index(now[i]) for i in kind_ids])
+    kind_ids = np.asarray([names.index(now[i]) for i in kind_ids])
     loss, answer_ce, hits = _train_step(
       model, optimizer, inputs, targets, weights, answers
     )
@@ -246,11 +247,11 @@ def train(config, workdir, metrics):
         batch_size=batch_size,
         loss=float(np.mean(window["loss"])),
         answer_ce=float(np.mean(window["answer_ce"])),
-        answer_acc={k: float(a) for k, a in zip(kinds, acc, strict=True)},
+        answer_acc={k: float(a) for k, a in zip(names, acc, strict=True)},
         seconds=time.time() - tick,
       )
-      window = {"loss": [], "answer_ce": [], "hits": np.zeros(len(kinds)),
-                "total": np.zeros(len(kinds))}  # fmt: skip
+      window = {"loss": [], "answer_ce": [], "hits": np.zeros(len(names)),
+                "total": np.zeros(len(names))}  # fmt: skip
     if done % t.checkpoint_every == 0 or done == t.steps:
       nt._save(manager, done, model, optimizer)
     progress.update(1, f"L={seq_len} loss {float(loss):.3f}")

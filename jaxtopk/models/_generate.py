@@ -9,6 +9,7 @@ next token greedily (``temperature=0``) or samples it from
 ``softmax(logits / temperature)``.
 """
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ from jaxtyping import Int
 from jaxtopk.models._decoder import TopKDecoder
 from jaxtopk.models._decoder_attention import as_attention
 from jaxtopk.models._decoder_attention import cache_block_size
+from jaxtopk.selection import Certificate
 
 
 def _pick(logits, temperature, rng):
@@ -71,10 +73,23 @@ def _generate_impl(
   # decode statistics [steps, b, 1, h] -> [b, steps, h], after the prompt's.
   aux = jax.tree.map(lambda x: jnp.moveaxis(x[:, :, 0], 0, 1), aux)
   certs = [
-    jax.tree.map(lambda p, d: jnp.concatenate([p, d], axis=1), pre, dec)
+    jax.tree.map(
+      lambda p, d: jnp.concatenate([p, d], axis=1), *_same_static(pre, dec)
+    )
     for pre, dec in zip(prefill_aux, aux, strict=True)
   ]
   return out, certs
+
+
+def _same_static(pre, dec):
+  """Certificates of a dense or exact prefill (failure_prob 0) and of
+  MC-Search decode steps (failure_prob delta) joined under the larger
+  failure_prob, which bounds every row's (a sound statement for all)."""
+  if isinstance(pre, Certificate) and isinstance(dec, Certificate):
+    worst = max(pre.failure_prob, dec.failure_prob)
+    pre = dataclasses.replace(pre, failure_prob=worst)
+    dec = dataclasses.replace(dec, failure_prob=worst)
+  return pre, dec
 
 
 _GENERATE: Any = nnx.jit(

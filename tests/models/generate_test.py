@@ -70,6 +70,19 @@ class GenerateTest(absltest.TestCase):
     self.assertTrue(bool(jnp.all(mixed[1].tv_bound[:, PROMPT:] <= 0.05)))
     self.assertTrue(bool(jnp.any(mixed[1].tv_bound[:, PROMPT:] > 0)))
 
+  def test_mc_search_decode_states_its_failure_probability(self):
+    policy = jaxtopk.Certified(0.1, "mc", block_size=4, delta=0.02)
+    _, certs = models.generate(
+      _model(),
+      _prompt(),
+      max_new_tokens=2,
+      attention=policy,
+      dense_prefill=True,  # the prefill takes no PRNG key: MC is refused
+      rng=jax.random.key(3),
+    )
+    self.assertEqual(certs[0].failure_prob, 0.02)  # every row, sound
+    self.assertTrue(bool(jnp.all(certs[1].tv_bound[:, PROMPT:] <= 0.1)))
+
   def test_sampling(self):
     model = _model()
     kw = dict(max_new_tokens=NEW, temperature=2.0)
