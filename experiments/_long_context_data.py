@@ -262,7 +262,9 @@ def train_batch(seed, step, seq_len, batch_size, kinds, vocab, text, lm_weight):
     k = (step * batch_size + i) % len(kinds)
     kind = kinds[k]
     if kind in ("recall", "lookup") and (seq_len - 2) // 2 > vocab.num_keys:
-      kind = "niah_multiquery"  # pairs would not fit the key range
+      # Pairs would not fit the key range: a multi-query needle row instead
+      # (its metrics keep the scheduled kind's name).
+      kind = "niah_multiquery"
     if kind == "copy":
       rows.append(_copy_row(rng, seq_len, vocab, text))
     else:

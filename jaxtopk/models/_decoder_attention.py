@@ -3,15 +3,16 @@
 ``jaxtopk.models.TopKDecoder`` never calls an attention function itself: it
 hands its rotated queries, keys and values to an object with ``prefill`` and
 ``decode`` methods (:class:`DecoderAttention`). :class:`PolicyAttention` is
-that object for a jaxtopk policy, and the ONLY code of the models package
-that calls the library's attention paths:
+that object for a jaxtopk policy; both its methods go through
+:func:`library_attention`, the ONLY code of the models package that calls
+the library's attention paths:
 
 - prefill and training: ``jaxtopk.topk_attention(q, k, v, policy=...,
   is_causal=True)`` (blockwise, a Certificate per row);
 - decode: ``jaxtopk.decode_attention(q, cache, policy=...)`` over the
   layer's ``jaxtopk.KVCache``.
 
-A different decode path (multi-query, paged caches) is switched in here, or
+A different decode path (multi-query, paged caches) is switched in there, or
 passed per call as another DecoderAttention (experiments plug selectors that
 are not policies in this way, see experiments/_selectors.py).
 """
@@ -72,6 +73,45 @@ class DecoderAttention(Protocol):
     ...
 
 
+def library_attention(
+  policy: Policy,
+  query: Array,
+  key: Array | None = None,
+  value: Array | None = None,
+  *,
+  cache: KVCache | None = None,
+  rng: Array | None = None,
+) -> tuple[Array, Any]:
+  """The decoder's one call into the library's attention.
+
+  Causal prefill over ``key``/``value`` (``cache`` None):
+  ``jaxtopk.topk_attention``; else one decode step over ``cache``:
+  ``jaxtopk.decode_attention`` (MC-Search policies need ``rng``).
+
+  Args:
+    policy: a jaxtopk policy.
+    query: ``[batch, q_len, heads, head_dim]`` (q_len 1 when decoding).
+    key: ``[batch, seq, kv_heads, head_dim]`` (prefill only).
+    value: ``[batch, seq, kv_heads, head_dim]`` (prefill only).
+    cache: the layer's ``jaxtopk.KVCache`` (decode only).
+    rng: PRNG key of MC-Search decoding.
+
+  Returns:
+    ``(output, Certificate)`` as the library path returns them.
+
+  Raises:
+    ValueError: MC-Search decoding without ``rng``.
+  """
+  if cache is None:
+    return topk_attention(query, key, value, policy=policy, is_causal=True)
+  needs_key = isinstance(policy, Certified) and policy.search.needs_rng
+  if needs_key and rng is None:
+    raise ValueError(f"{policy} decodes with MC-Search: pass rng=")
+  return decode_attention(
+    query, cache, policy=policy, key=rng if needs_key else None
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyAttention:
   """The library's certified attention for a jaxtopk policy.
@@ -92,18 +132,11 @@ class PolicyAttention:
   def prefill(self, query, key, value, *, rng=None):
     """``jaxtopk.topk_attention`` with a causal mask; see DecoderAttention."""
     del rng  # prefill searches are deterministic (no MC-Search there)
-    return topk_attention(query, key, value, policy=self.policy, is_causal=True)
+    return library_attention(self.policy, query, key, value)
 
   def decode(self, query, cache, *, rng=None):
     """``jaxtopk.decode_attention`` over ``cache``; see DecoderAttention."""
-    needs_key = (
-      isinstance(self.policy, Certified) and self.policy.search.needs_rng
-    )
-    if needs_key and rng is None:
-      raise ValueError(f"{self.policy} decodes with MC-Search: pass rng=")
-    return decode_attention(
-      query, cache, policy=self.policy, key=rng if needs_key else None
-    )
+    return library_attention(self.policy, query, cache=cache, rng=rng)
 
 
 def as_attention(attention: Any) -> DecoderAttention:
