@@ -19,7 +19,8 @@ decode). Per (context, task, policy) it records:
   head (mean), kept keys and scored keys (q.k products) as fractions of the
   context;
 - time per decode step (all rows of the batch, all layers; the first call
-  of each shape is a warm-up, not timed) and per prefill token.
+  of each shape is a warm-up, not timed, then the better of two timed runs)
+  and per prefill token.
 
 Outputs in --workdir: config.json, metrics.jsonl (``eval`` rows), results.json
 (rows with ``_common.machine_info()``), accuracy.png, certificates.png,
@@ -146,6 +147,8 @@ def evaluate_length(config, model, vocab, text, seq_len, pols, wd, progress):
         (logits, certs), secs = _timed(
           _DECODE, model, cache, tail, rng, attention=attention
         )
+        _, again = _timed(_DECODE, model, cache, tail, rng, attention=attention)
+        secs = min(secs, again)  # the better of two runs (shared machine)
         a = acc[label]
         a["secs"] += secs
         pred = np.argmax(np.asarray(logits)[:, cols], -1)
