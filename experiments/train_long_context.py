@@ -67,8 +67,12 @@ def decoder_config(config) -> models.DecoderConfig:
     rope_theta=m.rope_theta,
     rope_scaling=scaling,
     tie_embeddings=m.tie_embeddings,
-    max_position_embeddings=max(
-      length for _, length, _ in config.train.curriculum
+    # The context the frequencies are scaled for (informational; as Llama
+    # 3.1 declares original x factor), else the longest trained one.
+    max_position_embeddings=(
+      int(m.rope_original_context * m.rope_scaling_factor)
+      if scaling
+      else max(length for _, length, _ in config.train.curriculum)
     ),
   )
 

@@ -2,22 +2,26 @@
 
 train_long_context's smoke config trains a tiny model and writes it as a
 Hugging Face directory; long_context's smoke config evaluates that
-directory (dense, Ratio and Certified decoding).
+directory (dense, Ratio and Certified decoding); and the packaged model
+(jaxtopk.models.long_context_lm_dir) is checked to retrieve.
 """
 
 import json
 import pathlib
 import tempfile
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import absltest
 
 from experiments import _common
+from experiments import _long_context_data as data
 from experiments import long_context
 from experiments import train_long_context
 from experiments.configs import long_context as long_context_config
 from experiments.configs import train_long_context as train_config
+from jaxtopk import models
 
 
 class LongContextTest(absltest.TestCase):
@@ -65,6 +69,22 @@ class LongContextTest(absltest.TestCase):
       self.assertTrue((out / name).exists(), name)
     with self.assertRaises(_common.WorkdirNotEmptyError):
       long_context.run(lc, out)
+
+  def test_packaged_model_retrieves(self):
+    # The committed model finds a needle in real text (dense, 512 tokens).
+    model, checkpoint = models.load_pretrained(models.long_context_lm_dir())
+    vocab = long_context.task_vocab(checkpoint)
+    self.assertEqual(checkpoint.decoder.vocab_size, vocab.size)
+    text = data.text_tokens(data.EVAL_FILES, vocab)
+    batch = data.eval_task("niah_text", 0, 8, 512, vocab, text)
+    logits, _ = model(jnp.asarray(batch.inputs))
+    col = batch.first_answer
+    hits = np.argmax(np.asarray(logits)[:, col], -1) == batch.targets[:, col]
+    self.assertGreaterEqual(float(np.mean(hits)), 0.75)
+    # Its tokenizer reads text as bytes and the task tokens by name.
+    ids = checkpoint.encode("key <k3> is <v7>")
+    self.assertEqual(ids[4], vocab.key_start + 3)
+    self.assertEqual(checkpoint.decode(ids), "key <k3> is <v7>")
 
 
 if __name__ == "__main__":
