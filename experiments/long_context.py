@@ -110,12 +110,20 @@ def _timed(fn, *args, **kw):
   return out, time.perf_counter() - tick
 
 
+def rows_at(config, seq_len) -> tuple[int, int]:
+  """``(rows, batch)`` per task at a context: ``num_examples``, fewer at
+  long contexts (``row_tokens // seq_len``, at least 1)."""
+  rows = min(config.num_examples, max(1, config.row_tokens // seq_len))
+  return rows, min(config.batch_size, rows)
+
+
 def evaluate_length(config, model, vocab, text, seq_len, pols, wd, progress):
   """Rows of one context length (every task x policy)."""
   spec = data.TaskSpec(**config.task_spec.to_dict())
+  rows, bsz = rows_at(config, seq_len)
   batches = {
     task: data.eval_task(
-      task, (config.seed, seq_len, i), config.num_examples, seq_len, vocab,
+      task, (config.seed, seq_len, i), rows, seq_len, vocab,
       text, spec,
     )
     for i, task in enumerate(config.tasks)
@@ -130,9 +138,9 @@ def evaluate_length(config, model, vocab, text, seq_len, pols, wd, progress):
     acc: dict[str, dict] = {label: dict(hits=[], certs=[], secs=0.0)
                             for label, _ in pols}  # fmt: skip
     prefill_secs = 0.0
-    for lo in range(0, config.num_examples, config.batch_size):
-      inputs = jnp.asarray(batch.inputs[lo : lo + config.batch_size])
-      targets = batch.targets[lo : lo + config.batch_size][:, prompt_len:]
+    for lo in range(0, rows, bsz):
+      inputs = jnp.asarray(batch.inputs[lo : lo + bsz])
+      targets = batch.targets[lo : lo + bsz][:, prompt_len:]
       kw = dict(max_len=seq_len, block_size=config.block_size)
       if ("prefill", inputs.shape) not in warm:
         _PREFILL(model, inputs[:, :prompt_len], **kw)  # compile
@@ -156,7 +164,7 @@ def evaluate_length(config, model, vocab, text, seq_len, pols, wd, progress):
         at_answers = lambda x, cols=cols: np.asarray(x)[:, cols]
         a["certs"].append([jax.tree.map(at_answers, c) for c in certs])
       progress.update(1, f"L={seq_len} {task} rows {lo}+")
-    n_batches = -(-config.num_examples // config.batch_size)
+    n_batches = -(-rows // bsz)
     for label, _ in pols:
       a = acc[label]
       hits = np.concatenate(a["hits"])  # [n, answers]
@@ -183,7 +191,7 @@ def evaluate_length(config, model, vocab, text, seq_len, pols, wd, progress):
         valid=float(np.mean(np.stack([np.asarray(c.valid) for c in layers]))),
         ms_per_step=1e3 * a["secs"] / (n_batches * steps),
         prefill_ms_per_token=1e3 * prefill_secs / (n_batches * prompt_len),
-        batch_size=int(config.batch_size),
+        batch_size=bsz,
       )
       rows.append(row)
       wd.metrics.write("eval", **row)
@@ -259,9 +267,8 @@ def run(config, workdir, *, overwrite=False):
   pols = policies(config)
   progress = _common.Progress(
     "long_context",
-    len(config.lengths)
-    * len(config.tasks)
-    * -(-config.num_examples // config.batch_size),
+    len(config.tasks)
+    * sum(-(-r // b) for r, b in (rows_at(config, n) for n in config.lengths)),
   )
   meta = _common.machine_info()
   rows = []

@@ -35,8 +35,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     "variable_tracking",
     "aggregation",
   )  # fmt: skip
-  c.num_examples = 8  # rows per task and context
-  c.batch_size = 4  # rows per prefill / decode call
+  c.num_examples = 8  # rows per task and context, at most
+  # ... and at most row_tokens // context (prefill time grows as context^2):
+  # 8, 8, 4 and 2 rows at 4K, 8K, 16K and 32K.
+  c.row_tokens = 65536
+  c.batch_size = 2  # rows per prefill / decode call
   c.block_size = 64  # cache summary block (and Delta-Search block)
   c.ratios = (1 / 64, 1 / 16)  # jaxtopk.Ratio: kept fraction
   c.eps = (0.1, 0.01)  # jaxtopk.Certified: TV budget
