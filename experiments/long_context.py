@@ -120,10 +120,10 @@ def rows_at(config, seq_len) -> tuple[int, int]:
 def evaluate_length(config, model, vocab, text, seq_len, pols, wd, progress):
   """Rows of one context length (every task x policy)."""
   spec = data.TaskSpec(**config.task_spec.to_dict())
-  rows, bsz = rows_at(config, seq_len)
+  n_rows, bsz = rows_at(config, seq_len)
   batches = {
     task: data.eval_task(
-      task, (config.seed, seq_len, i), rows, seq_len, vocab,
+      task, (config.seed, seq_len, i), n_rows, seq_len, vocab,
       text, spec,
     )
     for i, task in enumerate(config.tasks)
@@ -138,7 +138,7 @@ def evaluate_length(config, model, vocab, text, seq_len, pols, wd, progress):
     acc: dict[str, dict] = {label: dict(hits=[], certs=[], secs=0.0)
                             for label, _ in pols}  # fmt: skip
     prefill_secs = 0.0
-    for lo in range(0, rows, bsz):
+    for lo in range(0, n_rows, bsz):
       inputs = jnp.asarray(batch.inputs[lo : lo + bsz])
       targets = batch.targets[lo : lo + bsz][:, prompt_len:]
       kw = dict(max_len=seq_len, block_size=config.block_size)
@@ -164,7 +164,7 @@ def evaluate_length(config, model, vocab, text, seq_len, pols, wd, progress):
         at_answers = lambda x, cols=cols: np.asarray(x)[:, cols]
         a["certs"].append([jax.tree.map(at_answers, c) for c in certs])
       progress.update(1, f"L={seq_len} {task} rows {lo}+")
-    n_batches = -(-rows // bsz)
+    n_batches = -(-n_rows // bsz)
     for label, _ in pols:
       a = acc[label]
       hits = np.concatenate(a["hits"])  # [n, answers]
