@@ -8,9 +8,10 @@ not resemble):
 - ``minilm_cache``: MiniLM keys/values of one layer and head over many real
   passages concatenated (each passage encoded on its own, positions 0..255
   each), queries from the LAST passage attending over all of them.
-- ``decoder_cache``: the native Top-k decoder (jaxtopk.models.TopKDecoder)
-  trained on retrieval tasks at a long context: per layer and head, the
-  keys/values of a whole sequence and the query at its answer position.
+- ``decoder_cache``: a decoder (jaxtopk.models.TopKDecoder, Llama
+  architecture; by default the packaged long-context model) on retrieval
+  tasks at a long context: per layer and head, the keys/values of a whole
+  sequence and the query at its answer position.
 - ``clustered_cache``: keys in tight clusters at random positions (content
   locality without position locality), retrieval-like queries.
 - ``local_window_cache``: RoPE-like keys and queries whose logits peak at
@@ -216,21 +217,38 @@ def native_config(dcfg):
 def decoder_params(dcfg, workdir):
   """Trained decoder parameters: loaded from ``dcfg.init_from`` or trained.
 
-  Training reuses experiments/native_topk (its dense base phase: the task
-  mix, curriculum and resumable orbax checkpoints under
-  ``<workdir>/decoder/ckpt``), then the parameters are saved as
-  ``<workdir>/decoder_params.npz`` (small: ~0.1-0.5 MB).
+  ``init_from`` may be a model directory (``jaxtopk.models.load_pretrained``;
+  its config.json's ``jaxtopk_task_vocab`` then sets the token layout of the
+  tasks, ``dcfg.model`` is not used) or a ``decoder_params.npz`` of an
+  earlier run. Without it, training reuses experiments/native_topk (its
+  dense base phase: the task mix, curriculum and resumable orbax
+  checkpoints under ``<workdir>/decoder/ckpt``), then the parameters are
+  saved as ``<workdir>/decoder_params.npz`` (small: ~0.1-0.5 MB).
 
   Returns:
     ``(model, native_config, seconds)``: the decoder with trained weights.
   """
   from experiments import native_topk as nt
+  from jaxtopk import models
 
   c = native_config(dcfg)
+  tick = time.time()
+  if dcfg.init_from and os.path.isdir(dcfg.init_from):
+    model, checkpoint = models.load_pretrained(dcfg.init_from)
+    layout = checkpoint.hf_config.get("jaxtopk_task_vocab")
+    if layout is None:
+      raise ValueError(
+        f"{dcfg.init_from!r}: config.json has no jaxtopk_task_vocab (the"
+        " token layout of the retrieval tasks)"
+      )
+    with c.unlocked():
+      for k, v in layout.items():
+        c.vocab[k] = v
+    logging.info("decoder: loaded %s", dcfg.init_from)
+    return model, c, time.time() - tick
   model = nt._model(c, c.seed)
   out = os.path.join(workdir, "decoder_params.npz")
   src = dcfg.init_from if dcfg.init_from else out
-  tick = time.time()
   if os.path.exists(src):
     flat = dict(np.load(src))
     nt._restore_into(model, flat)
@@ -247,26 +265,36 @@ def decoder_params(dcfg, workdir):
   return model, c, time.time() - tick
 
 
+@dataclasses.dataclass(frozen=True)
+class _RecordQKV:
+  """Dense attention (``jaxtopk.Dense()``) that also returns its q, k, v.
+
+  A ``jaxtopk.models.DecoderAttention``: the decoder hands it the rotated
+  queries, keys and values of every layer.
+  """
+
+  def prefill(self, query, key, value, *, rng=None):
+    import jaxtopk
+    from jaxtopk import models
+
+    out, _ = models.PolicyAttention(jaxtopk.Dense()).prefill(query, key, value)
+    group = query.shape[2] // key.shape[2]  # GQA: one key head per group
+
+    def heads_first(x, repeat=1):  # [b, s, h, d] -> [b, h * repeat, s, d]
+      return jnp.repeat(x, repeat, axis=2).transpose(0, 2, 1, 3)
+
+    return out, (heads_first(query), heads_first(key, group),
+                 heads_first(value, group))  # fmt: skip
+
+  def decode(self, query, cache, *, rng=None):
+    raise NotImplementedError("_RecordQKV records prefills only")
+
+
 @nnx.jit
 def _decoder_qkv(model, tokens):
-  """Per layer: (q, k, v) ``[b, h, s, d]`` of a dense forward pass.
-
-  Walks the decoder's blocks as ``TopKDecoder._forward`` does (its token
-  shift, ``block.qkv`` and dense ``PolicyAttention``), keeping q, k, v.
-  """
-  import jaxtopk
-  from jaxtopk import models
-
-  dense = models.PolicyAttention(jaxtopk.Dense())
-  previous = jnp.pad(tokens[:, :-1], ((0, 0), (1, 0)))
-  x = model._embed(tokens, previous)
-  out = []
-  for block in model.blocks:
-    q, k, v = (t.transpose(0, 2, 1, 3) for t in block.qkv(x))  # [b, h, s, d]
-    out.append((q, k, v))
-    x, _, _, _ = block(x, attention=dense, rng=None)
-  logits = model.head(model.final_norm(x))
-  return out, logits
+  """Per layer: (q, k, v) ``[b, h, s, d]`` of a dense forward pass."""
+  logits, qkv = model(tokens, attention=_RecordQKV())
+  return qkv, logits
 
 
 def decoder_cache(model, c, tasks, num_sequences, seed) -> tuple[Cache, dict]:
@@ -310,8 +338,8 @@ def decoder_cache(model, c, tasks, num_sequences, seed) -> tuple[Cache, dict]:
     queries=np.stack(qs).astype(np.float32),
     scale=1 / np.sqrt(d),
     note=(
-      f"native Top-k decoder ({c.model.num_layers} layers x"
-      f" {c.model.num_heads} heads, head_dim {d}) trained to context"
+      f"decoder ({model.config.num_layers} layers x"
+      f" {model.config.num_heads} heads, head_dim {d}) at context"
       f" {c.seq_len}; per task ({', '.join(tasks)}), layer, head and"
       f" sequence ({num_sequences}), the {n} keys before the answer and the"
       " answer query"

@@ -62,6 +62,7 @@ from ml_collections import config_flags
 
 import jaxtopk
 from experiments import _common
+from experiments import _decoder_init
 from experiments import _selectors
 from jaxtopk import models
 from jaxtopk import parallel
@@ -105,7 +106,7 @@ def make_task(config, name, seed, batch_size, depth=None, seq_len=None):
 def train_seq_len(config, phase: str, step: int) -> int:
   """Context length of a training step: the base run's curriculum, else full.
 
-  The model has no position embedding, so it runs at any length; the base
+  The model's rotary positions are relative, so it runs at any length; the base
   run starts short because retrieval is learned far faster there (attention
   is uniform over all keys at initialisation, so the signal falls with
   length), then grows to ``config.seq_len``.
@@ -293,12 +294,15 @@ def train_phase(config, workdir, phase, metrics, should_stop, mesh=None):
   steps = t.base_steps if phase == "base" else t.finetune_steps
   attention = jaxtopk.Ratio(t.train_rho) if phase == "topk" else None
   model = _model(config, config.seed)
+  manager = _manager(workdir, phase)
+  start = manager.latest_step()
+  if start is None and phase == "base" and config.init.offsets:
+    # previous-token heads at step 0 (experiments/_decoder_init.py)
+    _decoder_init.previous_token_init(model, config.init)
   optimizer = _optimizer(model, config, phase)
   if mesh is not None:
     _shard(model, mesh)
     _shard(optimizer, mesh)
-  manager = _manager(workdir, phase)
-  start = manager.latest_step()
   if start is not None:
     _restore(manager, start, model, optimizer)
     logging.info("%s: resumed at step %d of %d", phase, start, steps)

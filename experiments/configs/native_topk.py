@@ -33,7 +33,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.num_heads = 4  # heads per block
   c.model.model_dim = 64  # residual width
   c.model.mlp_dim = 128  # MLP hidden width
-  c.model.token_shift = True  # previous-token feature (see _decoder.py)
+  c.model.rope_theta = 10000.0  # rotary base (Llama-style decoder)
+
+  # Structured initialisation of the base run (experiments/_decoder_init):
+  # query heads 0.. of layer 0 start attending `offsets` tokens back, the
+  # half of the lookup circuit a rotary decoder otherwise learns slowly;
+  # () turns it off.
+  c.init = ml_collections.ConfigDict()
+  c.init.offsets = (1,)  # one head per offset
+  c.init.embed_scale = 8.0  # embeddings x this (unit-size rows)
+  c.init.constant = 0.4  # shared embedding component (dimension 0), x rms
+  c.init.margin = 10.0  # logit margin of the offset over other positions
+  c.init.span = 256  # positions over which the margin is maximised
+  c.init.pairs = 6  # fastest rotary pairs used
 
   # Training. Protocol of THEORY 8.2: a dense base model, then two
   # fine-tunes from it with the same budget, one dense and one with Top-k
@@ -43,7 +55,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.base_steps = 600  # dense pre-training steps
   c.train.finetune_steps = 100  # steps of EACH fine-tune (same budget)
   c.train.train_rho = 1 / 16  # kept fraction in the Top-k fine-tune
-  c.train.learning_rate = 3e-3  # AdamW peak learning rate (cosine decay)
+  # AdamW peak learning rate (cosine decay); 3e-3 kept the lookup circuit
+  # of the rotary decoder from forming (experiments/_decoder_init.py).
+  c.train.learning_rate = 1e-3
   c.train.finetune_learning_rate = 1e-3  # peak for the fine-tunes
   c.train.warmup_steps = 40  # linear warmup of the base run
   c.train.weight_decay = 0.01  # AdamW weight decay

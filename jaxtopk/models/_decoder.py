@@ -1,39 +1,32 @@
-"""A small decoder-only transformer for native Top-k training and decoding.
+"""The decoder: Llama 3.x and Qwen3 in Flax NNX, Top-k attention per call.
 
-THEORY 8 ([NATIVE]): the same model runs dense or with Top-k attention in the
-training forward pass (8.2: the gradient flows through the softmax over the
-kept keys; the selection itself is piecewise constant) and decodes from a KV
-cache keeping a policy's keys (8.1). The attention runs on the library's own
-certified paths, the ones users call:
+One architecture for every decoder of the project: the Llama/Qwen3 family
+(grouped-query attention, rotary positions with Llama-3 frequency scaling,
+RMSNorm, SwiGLU, Qwen3's per-head query/key RMSNorm, tied or untied
+embeddings, optional attention and MLP biases) that loads Hugging Face
+checkpoints (``jaxtopk.models.load_pretrained``), and in tiny configurations
+the native Top-k models the experiments train (THEORY 8, [NATIVE]).
 
-- training and prefill: ``jaxtopk.topk_attention(q, k, v, policy=...,
-  is_causal=True)``;
-- decode: one ``jaxtopk.KVCache`` per layer (``init_kv_cache``,
-  ``kv_cache_update``) and ``jaxtopk.decode_attention``.
+The same weights run dense or with Top-k attention, chosen per call by
+``attention``: None (dense, ``jaxtopk.Dense()``), a jaxtopk policy, or any
+hashable object with the :class:`DecoderAttention` methods ``prefill`` and
+``decode``. Policies run on the library's own certified paths (through
+``PolicyAttention``, the one adapter, see ``_decoder_attention.py``):
+``jaxtopk.topk_attention`` for training and prefill (THEORY 8.2: the gradient
+flows through the softmax over the kept keys) and ``jaxtopk.decode_attention``
+over one ``jaxtopk.KVCache`` per layer for decoding (THEORY 8.1). Every call
+returns, per layer, the attention's Certificate (THEORY 6.5).
 
-Every call returns, per layer, the Certificate of its attention (THEORY 6.5).
-Which keys are kept is chosen at call time by ``attention``: None (dense,
-``jaxtopk.Dense()``), a jaxtopk policy, or any hashable object with the
-:class:`DecoderAttention` methods ``prefill`` and ``decode`` (the hook through
-which experiments plug in selectors that are not policies, e.g. approximate
-Top-k; see experiments/_selectors.py). One set of weights can so be swept over
-ratios, budgets and selectors without rebuilding the module.
-
-Architecture: token embedding plus a learned projection of the previous
-token's embedding ("token shift", as in RWKV and the smeared-key model of
-Olsson et al. 2022: it gives a one-layer model the previous-token feature that
-retrieval needs, so tiny CPU models learn lookup in minutes), then pre-norm
-blocks (RMSNorm, causal self-attention, RMSNorm, GELU MLP), a final RMSNorm
-and an untied output projection. No position embedding: causal attention with
-token shift needs none for these tasks, and decoding can run past the trained
-length. The attention parameters live in an ``nnx.MultiHeadAttention`` (names
-``query``, ``key``, ``value``, ``out``), so they load into and from
-``jaxtopk.nn.CertifiedTopKAttention`` unchanged.
+Parameters: token embedding ``embed`` ``[vocab, model_dim]``; per block
+``attn_norm``, ``attn`` (``query``/``key``/``value`` kernels ``[model_dim,
+heads, head_dim]``, ``out`` ``[heads, head_dim, model_dim]``: the layout
+``jaxtopk.parallel``'s rules shard over heads; ``query_norm``/``key_norm``
+for Qwen3), ``mlp_norm``, ``mlp`` (``gate``, ``up``, ``down``); then
+``final_norm`` and ``lm_head`` (absent when tied). Logits are float32.
 """
 
-import dataclasses
+import functools
 from typing import Any
-from typing import Protocol
 
 import flax.struct
 import jax
@@ -44,149 +37,19 @@ from jaxtyping import Float
 from jaxtyping import Int
 
 from jaxtopk.attention import KVCache
-from jaxtopk.attention import decode_attention
 from jaxtopk.attention import init_kv_cache
 from jaxtopk.attention import kv_cache_update
-from jaxtopk.attention import topk_attention
-from jaxtopk.selection import Certified
-from jaxtopk.selection import Dense
-from jaxtopk.selection import Policy
-
-DEFAULT_BLOCK_SIZE = (
-  64  # cache summary block when neither policy nor caller set one
-)
+from jaxtopk.models._decoder_attention import as_attention
+from jaxtopk.models._decoder_attention import cache_block_size
+from jaxtopk.models._decoder_config import DecoderConfig
+from jaxtopk.models._rope import apply_rope
+from jaxtopk.models._rope import rope_frequencies
 
 
-class DecoderAttention(Protocol):
-  """The attention hook of :class:`TopKDecoder`.
-
-  Implementations must be hashable (frozen dataclasses): they are static
-  arguments of jitted calls. Arrays are in the ``jax.nn`` layout.
-  """
-
-  def prefill(
-    self, query: Array, key: Array, value: Array, *, rng: Array | None
-  ) -> tuple[Array, Any]:
-    """Causal attention over a whole sequence.
-
-    Args:
-      query: ``[batch, seq, heads, head_dim]``.
-      key: ``[batch, seq, heads, head_dim]``.
-      value: ``[batch, seq, heads, head_dim]``.
-      rng: PRNG key for random selectors, or None.
-
-    Returns:
-      ``[batch, seq, heads, head_dim]`` output and per-row statistics (a
-      pytree, e.g. a Certificate with ``[batch, seq, heads]`` arrays).
-    """
-    ...
-
-  def decode(
-    self, query: Array, cache: KVCache, *, rng: Array | None
-  ) -> tuple[Array, Any]:
-    """One query per sequence over the cache (the step already appended).
-
-    Args:
-      query: ``[batch, 1, heads, head_dim]``.
-      cache: the layer's ``jaxtopk.KVCache``.
-      rng: PRNG key for random selectors, or None.
-
-    Returns:
-      ``[batch, 1, heads, head_dim]`` output and per-row statistics with
-      ``[batch, 1, heads]`` leaves.
-    """
-    ...
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyAttention:
-  """The library's certified attention for a jaxtopk policy.
-
-  ``prefill`` is ``jaxtopk.topk_attention(..., is_causal=True)`` and
-  ``decode`` is ``jaxtopk.decode_attention``; both return a Certificate.
-
-  Attributes:
-    policy: the selection policy (``jaxtopk.Dense()`` for dense attention).
-  """
-
-  policy: Policy
-
-  def __post_init__(self):
-    if not isinstance(self.policy, Policy):
-      raise TypeError(f"policy={self.policy!r} must be a jaxtopk policy")
-
-  def prefill(self, query, key, value, *, rng=None):
-    """``jaxtopk.topk_attention`` with a causal mask; see DecoderAttention."""
-    del rng  # prefill searches are exact (every logit is computed)
-    return topk_attention(query, key, value, policy=self.policy, is_causal=True)
-
-  def decode(self, query, cache, *, rng=None):
-    """``jaxtopk.decode_attention`` over ``cache``; see DecoderAttention."""
-    needs_key = (
-      isinstance(self.policy, Certified) and self.policy.search.needs_rng
-    )
-    if needs_key and rng is None:
-      raise ValueError(f"{self.policy} decodes with MC-Search: pass rng=")
-    return decode_attention(
-      query, cache, policy=self.policy, key=rng if needs_key else None
-    )
-
-
-def as_attention(attention: Any) -> DecoderAttention:
-  """None (dense), a jaxtopk policy, or a DecoderAttention, as the latter.
-
-  Raises:
-    TypeError: for anything else.
-  """
-  if attention is None:
-    return PolicyAttention(Dense())
-  if isinstance(attention, Policy):
-    return PolicyAttention(attention)
-  if callable(getattr(attention, "prefill", None)) and callable(
-    getattr(attention, "decode", None)
-  ):
-    return attention
-  raise TypeError(
-    f"attention={attention!r} must be None, a jaxtopk policy or an object "
-    "with prefill() and decode() (jaxtopk.models.DecoderAttention)"
-  )
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-  """Sizes of a :class:`TopKDecoder`.
-
-  Attributes:
-    vocab_size: number of token ids.
-    num_layers: transformer blocks.
-    num_heads: attention heads per block.
-    model_dim: residual width; a multiple of ``num_heads``.
-    mlp_dim: hidden width of the MLP.
-    token_shift: add a projection of the previous token's embedding.
-  """
-
-  vocab_size: int
-  num_layers: int = 2
-  num_heads: int = 4
-  model_dim: int = 64
-  mlp_dim: int = 256
-  token_shift: bool = True
-
-  def __post_init__(self):
-    for name in ("vocab_size", "num_layers", "num_heads", "model_dim"):
-      value = getattr(self, name)
-      if not (isinstance(value, int) and value >= 1):
-        raise ValueError(f"DecoderConfig.{name}={value!r} must be >= 1")
-    if self.model_dim % self.num_heads:
-      raise ValueError(
-        f"model_dim={self.model_dim} must be a multiple of "
-        f"num_heads={self.num_heads}"
-      )
-
-  @property
-  def head_dim(self) -> int:
-    """Width of one attention head, ``model_dim // num_heads``."""
-    return self.model_dim // self.num_heads
+@functools.cache
+def _inv_freq(config: DecoderConfig):
+  c = config
+  return rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
 
 
 @flax.struct.dataclass
@@ -194,67 +57,133 @@ class DecoderCache:
   """Decode state of a :class:`TopKDecoder`.
 
   Attributes:
-    layers: one ``jaxtopk.KVCache`` per layer (head-major keys and values
-      with per-block key boxes and value norms).
-    last_token: int32 ``[batch]``, the last token fed (for token shift).
+    layers: one ``jaxtopk.KVCache`` per layer (rotated keys and values,
+      ``kv_heads`` heads, with per-block key boxes and value norms). Their
+      ``length`` is the position of the next token.
   """
 
   layers: tuple[KVCache, ...]
-  last_token: jax.Array
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm as Llama and Qwen3 compute it: in float32, gain after the cast.
+
+  ``y = scale * (x / sqrt(mean(x^2) + eps))``, the normalisation in float32
+  and cast back to the input dtype before the gain.
+  """
+
+  def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x: Array) -> Array:
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + self.eps)
+    return (self.scale[...] * y.astype(x.dtype)).astype(x.dtype)
+
+
+class _Attention(nnx.Module):
+  """Projections of grouped-query attention (the math is injected)."""
+
+  def __init__(self, c: DecoderConfig, *, dtype, param_dtype, rngs):
+    dense = functools.partial(
+      nnx.LinearGeneral,
+      use_bias=c.attention_bias,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+    )
+    self.query = dense(c.model_dim, (c.num_heads, c.head_dim))
+    self.key = dense(c.model_dim, (c.num_kv_heads, c.head_dim))
+    self.value = dense(c.model_dim, (c.num_kv_heads, c.head_dim))
+    self.out = dense((c.num_heads, c.head_dim), c.model_dim, axis=(-2, -1))
+    norm = functools.partial(
+      RMSNorm, c.head_dim, eps=c.norm_eps, param_dtype=param_dtype
+    )
+    self.query_norm = norm() if c.qk_norm else None
+    self.key_norm = norm() if c.qk_norm else None
+
+  def qkv(self, h, positions, inv_freq):
+    """Rotated q ``[b, s, heads, d]``, k and v ``[b, s, kv_heads, d]``."""
+    q, k, v = self.query(h), self.key(h), self.value(h)
+    if self.query_norm is not None:
+      q, k = self.query_norm(q), self.key_norm(k)
+    return (
+      apply_rope(q, positions, inv_freq),
+      apply_rope(k, positions, inv_freq),
+      v,
+    )
+
+
+class _MLP(nnx.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+  def __init__(self, c: DecoderConfig, *, dtype, param_dtype, rngs):
+    dense = functools.partial(
+      nnx.Linear,
+      use_bias=c.mlp_bias,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+    )
+    self.gate = dense(c.model_dim, c.mlp_dim)
+    self.up = dense(c.model_dim, c.mlp_dim)
+    self.down = dense(c.mlp_dim, c.model_dim)
+
+  def __call__(self, x):
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
 class _Block(nnx.Module):
   """Pre-norm transformer block; attention injected per call."""
 
-  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
-    dim, heads = config.model_dim, config.num_heads
-    self.attn_norm = nnx.RMSNorm(dim, rngs=rngs)
-    self.attn = nnx.MultiHeadAttention(
-      heads, dim, decode=False, use_bias=False, rngs=rngs
+  def __init__(self, c: DecoderConfig, *, dtype, param_dtype, rngs):
+    norm = functools.partial(
+      RMSNorm, c.model_dim, eps=c.norm_eps, param_dtype=param_dtype
     )
-    self.mlp_norm = nnx.RMSNorm(dim, rngs=rngs)
-    self.up = nnx.Linear(dim, config.mlp_dim, rngs=rngs)
-    self.down = nnx.Linear(config.mlp_dim, dim, rngs=rngs)
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.attn_norm = norm()
+    self.attn = _Attention(c, **kw)
+    self.mlp_norm = norm()
+    self.mlp = _MLP(c, **kw)
 
-  def qkv(self, x):
-    """Queries, keys, values ``[b, s, heads, head_dim]`` of ``x``."""
-    h = self.attn_norm(x)
-    return self.attn.query(h), self.attn.key(h), self.attn.value(h)
+  def qkv(self, x, positions, inv_freq):
+    """Rotated queries, keys and values of the residual stream ``x``."""
+    return self.attn.qkv(self.attn_norm(x), positions, inv_freq)
 
   def _finish(self, x, out):
     x = x + self.attn.out(out)  # out [b, s, h, d] -> [b, s, dim]
-    return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+    return x + self.mlp(self.mlp_norm(x))
 
-  def __call__(self, x, *, attention, rng):
+  def __call__(self, x, positions, inv_freq, *, attention, rng):
     """Causal self-attention over ``x`` ``[b, s, dim]``; also returns k, v."""
-    q, k, v = self.qkv(x)  # [b, s, h, d] each
+    q, k, v = self.qkv(x, positions, inv_freq)
     out, aux = attention.prefill(q, k, v, rng=rng)
-    return self._finish(x, out), k, v, aux
+    return self._finish(x, out.astype(x.dtype)), k, v, aux
 
-  def step(self, x, cache, *, attention, rng):
+  def step(self, x, positions, inv_freq, cache, *, attention, rng):
     """One token ``x`` ``[b, 1, dim]``: append to ``cache``, attend over it."""
-    q, k, v = self.qkv(x)  # [b, 1, h, d]
+    q, k, v = self.qkv(x, positions, inv_freq)  # [b, 1, h(k), d]
     cache = kv_cache_update(cache, k, v)
     out, aux = attention.decode(q, cache, rng=rng)
-    return self._finish(x, out), cache, aux
-
-
-def _block_size(attention, max_len: int, block_size: int | None) -> int:
-  if block_size is not None:
-    return block_size
-  policy = getattr(attention, "policy", None)
-  if isinstance(policy, Certified) and not policy.search.scores_all:
-    return policy.block_size  # Delta-/MC-Search read the cache's blocks
-  return min(DEFAULT_BLOCK_SIZE, max_len)
+    return self._finish(x, out.astype(x.dtype)), cache, aux
 
 
 class TopKDecoder(nnx.Module):
-  """Decoder-only transformer whose attention keeps a policy's keys.
+  """Llama 3.x / Qwen3 decoder whose attention keeps a policy's keys.
 
-  THEORY 8.1-8.4. Train with ``model(tokens, attention=...)`` (the library's
-  ``topk_attention``); decode with ``prefill`` (dense, THEORY 8.1) then
-  ``decode_step`` (the library's ``KVCache`` and ``decode_attention``), or
-  both at once with :func:`decode_teacher_forced`.
+  THEORY 8.1-8.4. Score or train with ``model(input_ids, attention=...)``
+  (the library's ``topk_attention``); decode with :meth:`prefill` then
+  :meth:`decode_step` (the library's ``KVCache`` and ``decode_attention``),
+  or use ``jaxtopk.models.generate``; teacher-forced decoding with
+  :func:`decode_teacher_forced`. Hugging Face checkpoints load with
+  ``jaxtopk.models.load_pretrained``.
+
+  Args:
+    config: the architecture.
+    dtype: compute dtype of the projections (logits are float32).
+    param_dtype: dtype of the parameters.
+    rngs: initialisation keys.
 
   Example:
     >>> from flax import nnx
@@ -268,41 +197,57 @@ class TopKDecoder(nnx.Module):
     ((3, 7, 11), (3, 7, 4))
   """
 
-  def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    config: DecoderConfig,
+    *,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
+  ):
+    if not isinstance(config, DecoderConfig):
+      raise TypeError(f"config={config!r} must be a DecoderConfig")
     self.config = config
-    dim = config.model_dim
-    self.embed = nnx.Embed(config.vocab_size, dim, rngs=rngs)
-    self.shift = (
-      nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
-      if config.token_shift
-      else None
+    self.embed = nnx.Embed(
+      config.vocab_size,
+      config.model_dim,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
     )
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.blocks = nnx.List(
-      [_Block(config, rngs=rngs) for _ in range(config.num_layers)]
+      [_Block(config, **kw) for _ in range(config.num_layers)]
     )
-    self.final_norm = nnx.RMSNorm(dim, rngs=rngs)
-    self.head = nnx.Linear(dim, config.vocab_size, rngs=rngs)
+    self.final_norm = RMSNorm(
+      config.model_dim, eps=config.norm_eps, param_dtype=param_dtype
+    )
+    self.lm_head = (
+      None
+      if config.tie_embeddings
+      else nnx.Linear(config.model_dim, config.vocab_size, use_bias=False, **kw)
+    )
 
-  def _embed(self, tokens, previous):
-    x = self.embed(tokens)
-    if self.shift is not None:
-      x = x + self.shift(self.embed(previous))
-    return x
+  def _logits(self, x):
+    h = self.final_norm(x)
+    if self.lm_head is None:
+      return self.embed.attend(h).astype(jnp.float32)
+    return self.lm_head(h).astype(jnp.float32)
 
   def _layer_rng(self, rng, layer):
     return None if rng is None else jax.random.fold_in(rng, layer)
 
   def __call__(
     self,
-    tokens: Int[Array, "b s"],
+    input_ids: Int[Array, "b s"],
     *,
     attention: Any = None,
     rng: Array | None = None,
   ) -> tuple[Float[Array, "b s v"], list[Any]]:
-    """Causal forward pass (training and scoring).
+    """Causal forward pass (training and scoring), positions ``0..s-1``.
 
     Args:
-      tokens: int ``[batch, seq_len]``.
+      input_ids: int ``[batch, seq_len]``.
       attention: None (dense), a jaxtopk policy, or a DecoderAttention.
       rng: PRNG key for random selectors (folded in per layer).
 
@@ -314,78 +259,102 @@ class TopKDecoder(nnx.Module):
     Raises:
       TypeError: ``attention`` is none of the above.
     """
-    logits, _, aux = self._forward(tokens, as_attention(attention), rng)
-    return logits, aux
+    x, _, aux = self._forward(input_ids, as_attention(attention), rng)
+    return self._logits(x), aux
 
   def _forward(self, tokens, attention, rng):
-    previous = jnp.pad(tokens[:, :-1], ((0, 0), (1, 0)))  # PAD first
-    x = self._embed(tokens, previous)
+    b, s = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    inv_freq = _inv_freq(self.config)
+    x = self.embed(tokens)
     kvs, aux = [], []
     for layer, block in enumerate(self.blocks):
       x, k, v, layer_aux = block(
-        x, attention=attention, rng=self._layer_rng(rng, layer)
+        x,
+        positions,
+        inv_freq,
+        attention=attention,
+        rng=self._layer_rng(rng, layer),
       )
       kvs.append((k, v))
       aux.append(layer_aux)
-    return self.head(self.final_norm(x)).astype(jnp.float32), kvs, aux
+    return x, kvs, aux
+
+  def init_cache(
+    self, batch: int, max_len: int, *, block_size: int = 64, dtype=None
+  ) -> DecoderCache:
+    """Empty caches holding ``max_len`` positions (rounded up to blocks)."""
+    cfg = self.config
+    capacity = -(-max_len // block_size) * block_size
+    dtype = dtype or self.embed.embedding[...].dtype
+    layer = init_kv_cache(
+      batch,
+      capacity,
+      cfg.num_kv_heads,
+      cfg.head_dim,
+      block_size=block_size,
+      dtype=dtype,
+    )
+    return DecoderCache(layers=(layer,) * cfg.num_layers)
 
   def prefill(
     self,
-    tokens: Int[Array, "b s"],
+    input_ids: Int[Array, "b s"],
     max_len: int,
     *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-  ) -> tuple[Float[Array, "b s v"], DecoderCache, list[Any]]:
-    """Dense forward over ``tokens`` that fills one KVCache per layer.
+    attention: Any = None,
+    block_size: int | None = None,
+    rng: Array | None = None,
+  ) -> tuple[Float[Array, "b v"], DecoderCache, list[Any]]:
+    """Forward over a prompt that fills one KVCache per layer.
 
     Args:
-      tokens: int ``[batch, seq_len]``, the prompt.
+      input_ids: int ``[batch, seq_len]``, the prompt (positions from 0).
       max_len: positions the caches must hold (``seq_len`` and every step to
         decode); rounded up to a multiple of ``block_size``.
-      block_size: positions per key-summary block of the caches; must equal
-        ``Certified.block_size`` for Delta-/MC-Search decoding.
+      attention: the prompt's attention: None (dense, THEORY 8.1), a policy
+        or a DecoderAttention.
+      block_size: positions per key-summary block of the caches; default
+        :func:`cache_block_size` of ``attention`` (``Certified.block_size``
+        for Delta-/MC-Search decoding, else ``min(64, max_len)``).
+      rng: PRNG key for random selectors.
 
     Returns:
-      logits ``[batch, seq_len, vocab]``, a :class:`DecoderCache` holding the
-      prompt, and the per-layer Certificates of the dense prefill.
+      float32 logits of the last prompt position ``[batch, vocab]``, a
+      :class:`DecoderCache` holding the prompt, and the per-layer statistics
+      of the prompt's attention (Certificates ``[batch, seq_len, heads]``).
 
     Raises:
-      ValueError: ``seq_len > max_len`` or a bad ``block_size``.
+      ValueError: ``seq_len > max_len``.
     """
-    b, s = tokens.shape
+    b, s = input_ids.shape
     if s > max_len:
       raise ValueError(f"prompt length {s=} must be <= {max_len=}")
-    logits, kvs, aux = self._forward(tokens, as_attention(None), None)
-    capacity = -(-max_len // block_size) * block_size
-    cfg = self.config
-    layers = []
-    for k, v in kvs:
-      empty = init_kv_cache(
-        b,
-        capacity,
-        cfg.num_heads,
-        cfg.head_dim,
-        block_size=block_size,
-        dtype=k.dtype,
-      )
-      layers.append(kv_cache_update(empty, k, v))
-    cache = DecoderCache(
-      layers=tuple(layers), last_token=tokens[:, -1].astype(jnp.int32)
+    attention = as_attention(attention)
+    if block_size is None:
+      block_size = cache_block_size(attention, max_len)
+    x, kvs, aux = self._forward(input_ids, attention, rng)
+    empty = self.init_cache(
+      b, max_len, block_size=block_size, dtype=kvs[0][0].dtype
     )
-    return logits, cache, aux
+    layers = tuple(
+      kv_cache_update(layer, k, v)
+      for layer, (k, v) in zip(empty.layers, kvs, strict=True)
+    )
+    return self._logits(x[:, -1:])[:, 0], DecoderCache(layers=layers), aux
 
   def decode_step(
     self,
-    token: Int[Array, " b"],
+    input_ids: Int[Array, " b"],
     cache: DecoderCache,
     *,
     attention: Any = None,
     rng: Array | None = None,
   ) -> tuple[Float[Array, "b v"], DecoderCache, list[Any]]:
-    """Feeds one token per row through the caches.
+    """Feeds one token per row at the caches' next position.
 
     Args:
-      token: int ``[batch]``.
+      input_ids: int ``[batch]``.
       cache: from :meth:`prefill` or a previous step; must have room (a full
         cache drops the new position: ``kv_cache_update`` saturates).
       attention: None (dense), a jaxtopk policy, or a DecoderAttention.
@@ -397,22 +366,22 @@ class TopKDecoder(nnx.Module):
       policy).
     """
     attention = as_attention(attention)
-    x = self._embed(token[:, None], cache.last_token[:, None])  # [b, 1, dim]
+    positions = cache.layers[0].length[:, None]  # [b, 1]
+    inv_freq = _inv_freq(self.config)
+    x = self.embed(input_ids[:, None])  # [b, 1, dim]
     layers, aux = [], []
     for layer, block in enumerate(self.blocks):
       x, layer_cache, layer_aux = block.step(
         x,
+        positions,
+        inv_freq,
         cache.layers[layer],
         attention=attention,
         rng=self._layer_rng(rng, layer),
       )
       layers.append(layer_cache)
       aux.append(layer_aux)
-    logits = self.head(self.final_norm(x))[:, 0].astype(jnp.float32)
-    cache = DecoderCache(
-      layers=tuple(layers), last_token=token.astype(jnp.int32)
-    )
-    return logits, cache, aux
+    return self._logits(x)[:, 0], DecoderCache(layers=tuple(layers)), aux
 
 
 def decode_teacher_forced(
@@ -467,8 +436,11 @@ def decode_teacher_forced(
   if not 1 <= prompt_len < seq_len:
     raise ValueError(f"{prompt_len=} must be in [1, {seq_len=})")
   attention = as_attention(attention)
-  bs = _block_size(attention, seq_len, block_size)
-  _, cache, _ = model.prefill(tokens[:, :prompt_len], seq_len, block_size=bs)
+  if block_size is None:
+    block_size = cache_block_size(attention, seq_len)
+  _, cache, _ = model.prefill(
+    tokens[:, :prompt_len], seq_len, block_size=block_size
+  )
 
   def step(cache, t):
     step_rng = None if rng is None else jax.random.fold_in(rng, t)

@@ -1,4 +1,4 @@
-"""jaxtopk.tasks: seeded synthetic retrieval tasks (THEORY 8)."""
+"""jaxtopk.tasks: seeded synthetic retrieval tasks (THEORY 8), RULER-style."""
 
 from jaxtopk.tasks._retrieval import NUM_SPECIAL
 from jaxtopk.tasks._retrieval import PAD
@@ -10,3 +10,7 @@ from jaxtopk.tasks._retrieval import aggregate_recall
 from jaxtopk.tasks._retrieval import associative_recall
 from jaxtopk.tasks._retrieval import multi_key_lookup
 from jaxtopk.tasks._retrieval import needle_in_haystack
+from jaxtopk.tasks._ruler import aggregation
+from jaxtopk.tasks._ruler import haystack_windows
+from jaxtopk.tasks._ruler import needle_task
+from jaxtopk.tasks._ruler import variable_tracking

@@ -38,6 +38,8 @@ ELSEWHERE = {
   "native_topk": "tests/experiments/native_topk_test.py",
   "bench_scaling": "tests/parallel/bench_scaling_test.py",  # subprocess
   "kv_retrieval": "tests/experiments/kv_retrieval_test.py",
+  "train_long_context": "tests/experiments/long_context_test.py",
+  "long_context": "tests/experiments/long_context_test.py",
 }
 HERE = tuple(name for name in CONFIGS if name not in ELSEWHERE)
 

@@ -23,7 +23,7 @@ _checked = jaxtyped(typechecker=beartype)
 @functools.cache
 def _decoder():
   config = models.DecoderConfig(
-    vocab_size=11, num_layers=1, num_heads=2, model_dim=6, mlp_dim=5
+    vocab_size=11, num_layers=1, num_heads=2, model_dim=8, mlp_dim=5
   )
   return models.TopKDecoder(config, rngs=nnx.Rngs(0))
 

@@ -15,7 +15,13 @@ from jaxtopk import models
 from tests.tolerances import tol
 
 CONFIG = models.DecoderConfig(
-  vocab_size=13, num_layers=2, num_heads=3, model_dim=21, mlp_dim=11
+  vocab_size=13,
+  num_layers=2,
+  num_heads=3,
+  num_kv_heads=1,
+  model_dim=21,
+  head_dim=6,
+  mlp_dim=11,
 )
 BATCH, SEQ, PROMPT = 5, 11, 8
 
@@ -72,6 +78,54 @@ class _JaxNNAttention:
     return out, {"calls": jnp.ones(query.shape[:3])}
 
 
+def _rms(x, scale, eps):
+  return scale * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+
+
+def _rope(x, inv_freq):
+  # x [b, s, h, d]; positions 0..s-1; rotate_half layout.
+  ang = np.arange(x.shape[1])[:, None] * inv_freq.astype(np.float64)
+  ang = np.concatenate([ang, ang], -1)[None, :, None]  # [1, s, 1, d]
+  half = x.shape[-1] // 2
+  rot = np.concatenate([-x[..., half:], x[..., :half]], -1)
+  return x * np.cos(ang) + rot * np.sin(ang)
+
+
+def _reference_logits(model, tokens):
+  """Float64 numpy forward of a TopKDecoder (no biases, untied)."""
+  c = model.config
+  p = jax.tree.map(
+    lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(nnx.state(model))
+  )
+  inv_freq = models.rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+  x = p["embed"]["embedding"][tokens]  # [b, s, dim]
+  s = tokens.shape[1]
+  causal = np.tril(np.ones((s, s), bool))
+  group = c.num_heads // c.num_kv_heads
+  for i in range(c.num_layers):
+    blk = p["blocks"][i]
+    h = _rms(x, blk["attn_norm"]["scale"], c.norm_eps)
+    att = blk["attn"]
+    q = np.einsum("bsm,mhd->bshd", h, att["query"]["kernel"])
+    k = np.einsum("bsm,mhd->bshd", h, att["key"]["kernel"])
+    v = np.einsum("bsm,mhd->bshd", h, att["value"]["kernel"])
+    q, k = _rope(q, inv_freq), _rope(k, inv_freq)
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(c.head_dim)
+    logits = np.where(causal, logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkhd->bqhd", w, v)
+    x = x + np.einsum("bqhd,hdm->bqm", out, att["out"]["kernel"])
+    h = _rms(x, blk["mlp_norm"]["scale"], c.norm_eps)
+    mlp = blk["mlp"]
+    g = h @ mlp["gate"]["kernel"]
+    u = h @ mlp["up"]["kernel"]
+    x = x + (g / (1 + np.exp(-g)) * u) @ mlp["down"]["kernel"]
+  h = _rms(x, p["final_norm"]["scale"], c.norm_eps)
+  return h @ p["lm_head"]["kernel"]
+
+
 class DecoderTest(parameterized.TestCase):
   @parameterized.named_parameters(
     ("dense", None),
@@ -123,26 +177,13 @@ class DecoderTest(parameterized.TestCase):
     self.assertTrue(all(bool(jnp.all(jnp.isfinite(g))) for g in leaves))
     self.assertGreater(sum(float(jnp.sum(jnp.abs(g))) for g in leaves), 0)
 
-  def test_block_attention_is_the_nn_layer(self):
-    # The block's attention sublayer equals jaxtopk.nn.CertifiedTopKAttention
-    # with the same weights and policy (parameter names are shared).
-    model, _ = _model_and_tokens()
-    block = model.blocks[0]
-    policy = jaxtopk.Ratio(0.5)
-    layer = jaxtopk.nn.CertifiedTopKAttention(
-      3, 21, policy=policy, decode=False, use_bias=False, rngs=nnx.Rngs(1)
-    )
-    nnx.update(layer, nnx.state(block.attn, nnx.Param))
-    x = jax.random.normal(jax.random.key(5), (BATCH, SEQ, 21))
-
-    @nnx.jit
-    def both(block, layer, x):
-      q, k, v = block.qkv(x)
-      out, _ = models.PolicyAttention(policy).prefill(q, k, v)
-      return block.attn.out(out), layer(block.attn_norm(x), is_causal=True)
-
-    mine, library = both(block, layer, x)
-    np.testing.assert_allclose(mine, library, **tol(jnp.float32))
+  def test_forward_matches_a_float64_reference(self):
+    # The whole forward pass (GQA, rotary, RMSNorm, SwiGLU) against a plain
+    # numpy float64 transcription of the architecture.
+    model, tokens = _model_and_tokens()
+    got, _ = _forward(model, tokens)
+    want = _reference_logits(model, np.asarray(tokens))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
   def test_delta_search_decode_uses_the_policy_block_size(self):
     model, tokens = _model_and_tokens()
@@ -161,6 +202,12 @@ class DecoderTest(parameterized.TestCase):
       models.decode_teacher_forced(model, tokens, prompt_len=11)
     with self.assertRaisesRegex(ValueError, "model_dim=10"):
       models.DecoderConfig(vocab_size=3, num_heads=3, model_dim=10)
+    with self.assertRaisesRegex(ValueError, "head_dim=5"):
+      models.DecoderConfig(vocab_size=3, num_heads=2, model_dim=10)
+    with self.assertRaisesRegex(ValueError, "num_kv_heads=2"):
+      models.DecoderConfig(
+        vocab_size=3, num_heads=3, num_kv_heads=2, head_dim=4
+      )
     with self.assertRaisesRegex(TypeError, "attention='ratio'"):
       model(tokens, attention="ratio")
     with self.assertRaisesRegex(TypeError, "policy=0.5"):

@@ -38,6 +38,7 @@ FIGURES = {
   "02_certified_attention": 5,
   "03_native_topk_training": 3,
   "04_scaling_out": 2,
+  "05_llm_checkpoints": 2,
 }
 
 
