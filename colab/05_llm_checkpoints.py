@@ -30,9 +30,9 @@
 # 3. look at the certificates per layer and head: the bound on the softmax
 #    mass each attention dropped, and how many keys it kept.
 #
-# The task is a needle in real text: a key-value pair hidden in a licence
-# text, then the key asked for. The full study over RULER-style tasks at
-# 4K-32K tokens is `python -m experiments.long_context`.
+# The task is a needle in real text: a key-value pair hidden in a
+# public-domain book, then the key asked for. The full study over
+# RULER-style tasks at 4K-32K tokens is `python -m experiments.long_context`.
 
 # %% [markdown]
 # ## Install and parameters
@@ -121,9 +121,10 @@ print("tokenizer:", checkpoint.tokenizer is not None)
 # The packaged model reads text as bytes and has special tokens for keys
 # (`<k0>`...), values (`<v0>`...) and the query marker `<Q>`; its
 # `config.json` declares that layout (`jaxtopk_task_vocab`). The haystack is
-# a licence text (the Debian copy of the GPL when present, else a short
-# built-in paragraph, repeated); `jaxtopk.tasks.needle_task` hides a
-# `<k> <v>` needle in it and ends the prompt with `<Q> <k>`.
+# the last fifth of the public-domain book jaxtopk ships
+# (`jaxtopk.models.public_domain_text`, text the training never read);
+# `jaxtopk.tasks.needle_task` hides a `<k> <v>` needle in it and ends the
+# prompt with `<Q> <k>`.
 
 # %%
 context = 512 if SMALL else 4096
@@ -131,14 +132,8 @@ layout = checkpoint.hf_config.get("jaxtopk_task_vocab")
 if layout is None:
   raise SystemExit("set MODEL_DIR to a model with a jaxtopk_task_vocab")
 vocab = tasks.Vocab(**layout)
-licence = "/usr/share/common-licenses/GPL-3"
-if os.path.exists(licence):
-  text = " ".join(open(licence).read().split())
-else:
-  text = (
-    "Everyone is permitted to copy and distribute verbatim copies of this"
-    " license document, but changing it is not allowed. "
-  ) * 40
+words = models.public_domain_text().split()
+text = " ".join(words[int(0.8 * len(words)) :])
 haystack = checkpoint.encode(text)
 batch = tasks.needle_task(
   7, batch_size=4, seq_len=context, vocab=vocab, haystack=haystack, depth=0.3

@@ -117,7 +117,9 @@ def measure(batch, seq, heads, head_dim, repeats, only=None) -> dict:
     # Decode: write the first seq - 1 tokens' keys/values into the cache,
     # then time the step at position seq - 1 (cache restored before each).
     fill = _fill_cache(layer, x, seq - 1)
-    state = nnx.state(layer, nnx.Cache)
+    # A copy: nnx.state holds the layer's own variables, which each step
+    # updates (without it every repeat after the first steps past the cache).
+    state = jax.tree.map(jnp.copy, nnx.state(layer, nnx.Cache))
 
     def one_step(layer=layer, state=state):
       nnx.update(layer, state)
