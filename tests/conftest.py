@@ -17,18 +17,6 @@ def _has_accelerator() -> bool:
 if not _has_accelerator():
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# CI time is mostly XLA:CPU compiling small programs. LLVM's own optimisation
-# level 0 compiles them ~30% faster; XLA's HLO passes (fusion, algebraic
-# simplification: where rounding and constant folding happen) run as in
-# use, so the programs certified are the ones users run. Children (notebooks,
-# multi-process runs) inherit it. JAXTOPK_TEST_LLVM_OPT=1 turns it off.
-if os.environ.get("JAXTOPK_TEST_LLVM_OPT") != "1":
-  _flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_backend_optimization_level" not in _flags:
-    os.environ["XLA_FLAGS"] = (
-      _flags + " --xla_backend_optimization_level=0"
-    ).strip()
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck  # noqa: E402
