@@ -615,9 +615,14 @@ def _append_row(row, k, v, pos, write, c_sz):
   thresh = OPEN_FACTOR * jnp.maximum(row["radius"][near], row["open_radius"])
   empty = cnt == 0
   fresh = jnp.argmax(empty)
-  far = ~jnp.any(cand) | (dn[near] > thresh)
+  # near is a group with room only if some distance was finite: distances
+  # of keys near the largest float overflow (inf, or NaN from inf - inf),
+  # and argmin of all-inf picks group 0, full or not.
+  near_ok = cand[near]
+  far = ~near_ok | (dn[near] > thresh)
   opening = jnp.any(empty) & far
-  g = jnp.where(opening, fresh, near)
+  room = jnp.argmax(cnt < c_sz)  # any group with room: never dropped
+  g = jnp.where(opening, fresh, jnp.where(near_ok, near, room))
   j = cnt[g]
   ok = write & (j < c_sz)
   centre_g = jnp.where(opening, x, row["centre"][g])

@@ -720,12 +720,12 @@ def index_decode_attention(
     policy.search.name in ("delta", "mc")
   )
   if by_codes:
-    policy.require(
-      _BACKEND,
-      selection.capabilities(
-        "policy=Certified", "search=exact", "search=delta", "bound=codes"
-      ),
-    )
+    # Auto honours max_topk (it then runs the exact search); the named
+    # code bound does not.
+    caps = ("policy=Certified", "search=exact", "search=delta", "bound=codes")
+    if isinstance(policy.search, selection.Auto):
+      caps += ("max_topk",)
+    policy.require(_BACKEND, selection.capabilities(*caps))
     return _codes_decode(query, index, policy, static, dynamic)
   if not searching:
     policy.require(

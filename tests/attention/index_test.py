@@ -441,6 +441,21 @@ def _tau_ld(s, keep):
 class IndexAuditTest(parameterized.TestCase):
   """Regression tests of the second reliability audit (content index)."""
 
+  def test_appended_huge_keys_are_never_dropped(self):
+    # Keys near the largest float: every distance to a centre overflows
+    # (inf, or NaN from inf - inf), argmin picked group 0 although it was
+    # full, and the key was silently dropped (Dense kept 6 of 7).
+    rng = np.random.default_rng(1)
+    k = rng.uniform(-5e37, 5e37, (1, 7, 1, 5)).astype(np.float32)
+    k[0, :, 0, 0] = [-2.5e38, -2.5e38, -1e38, 1e38, -1e38, 2.5e38, -1e38]
+    v = np.eye(7, dtype=np.float32)[None, :, None, :]
+    index = jaxtopk.build_kv_index(k[:, :2], v[:, :2], max_len=7, group_size=4)
+    index = jaxtopk.kv_index_update(index, k[:, 2:], v[:, 2:])
+    slot = np.asarray(index.slot)[0, 0]
+    self.assertTrue(np.all(slot >= 0), slot)
+    self.assertLen(set(slot.tolist()), 7)
+    self.assertEqual(int(np.asarray(index.count).sum()), 7)
+
   def test_tiny_query_keeps_its_ball_term(self):
     # ||q|| = 1.5e-38 against one group of keys +-2.5e38 along q: scale
     # ||q|| is subnormal, and (scale ||q||) r flushed the ball term (~1.9

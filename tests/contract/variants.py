@@ -602,8 +602,8 @@ _SHARDED = ALL - {
   "bound=codes",
 }
 # The layer's decode loop: decode_attention steps (BOX) and a masked step
-# (the XLA prefill: no MC-Search).
-_FLAX_DECODE = BOX - {"search=mc"}
+# (the XLA prefill: no MC-Search, and it refuses the key-code bound by name).
+_FLAX_DECODE = BOX - {"search=mc", "bound=codes"}
 
 # THE list: a variant joins by adding one line.
 VARIANTS = (
