@@ -37,15 +37,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.minilm.heads = 12
   c.minilm.query_stride = 8
 
-  # The native Top-k decoder's caches (committed parameters of
-  # experiments/kv_retrieval; no training here).
+  # A learned decoder's caches: the packaged long-context model (Llama
+  # architecture; no training here). Its 64 key tokens leave only the needle
+  # task at this context. (RESULTS 7's decoder row was measured with the
+  # earlier token-shift decoder, whose parameters no longer load.)
   c.decoder = ml_collections.ConfigDict()
   c.decoder.enabled = True
   c.decoder.smoke = False
   c.decoder.seed = 0
   c.decoder.seq_len = 1024
   c.decoder.num_keys = 512
-  c.decoder.init_from = "experiments/results/kv_retrieval/decoder_params.npz"
+  c.decoder.init_from = "jaxtopk/models/weights/long_context_lm"
   c.decoder.model = ml_collections.ConfigDict(
     dict(num_layers=2, num_heads=4, model_dim=64, mlp_dim=128)
   )
@@ -61,7 +63,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       log_every=10,
     )
   )  # fmt: skip
-  c.decoder.tasks = ("recall", "aggregate", "needle")
+  c.decoder.tasks = ("needle",)
   c.decoder.num_sequences = 4
 
   # Synthetic LLM-like heads with rotary positions.
