@@ -1,4 +1,4 @@
-"""Long KV caches for the certified-retrieval experiment (issue 15).
+"""Long KV caches for the certified-retrieval experiment.
 
 Each builder returns a :class:`Cache`: keys, values and decode queries of
 some heads, head-major, with what the cache is. No downloads are possible

@@ -1,4 +1,4 @@
-"""Benchmark: certified Top-k attention against dense attention (issue 14).
+"""Benchmark: certified Top-k attention against dense attention.
 
 Parts (``config.parts``; each writes its own rows, so parts can be added):
 

@@ -1,6 +1,6 @@
 r"""Benchmark: one Top-k decode step on the XLA path vs its baselines.
 
-Issue #3, goal: at most 1.25x the floor (the logits alone) and faster than
+Goal: at most 1.25x the floor (the logits alone) and faster than
 jax.lax.top_k + gather, at 8 heads, head_dim 128, rho = 1/64, n = 16,384 and
 131,072. Every variant reads the same head-major cache
 ``[batch, heads, n, head_dim]`` (DESIGN: compare in the same layout):

@@ -1,6 +1,6 @@
 """Benchmark: Pallas certified Top-k kernels vs dense and XLA Top-k (GPU/TPU).
 
-Issue #4's benchmark, side by side in one run, per context length n (default
+The kernels' benchmark, side by side in one run, per context length n (default
 8K .. 128K), head_dim 128, on attention with planted retrieval structure:
 
 - decode (one query per head over a head-major KV cache):
@@ -13,7 +13,7 @@ Issue #4's benchmark, side by side in one run, per context length n (default
   full certified pipeline (``certified_sparse_attention``). The XLA Top-k
   prefill materialises [b, h, n, n] logits and is only run while that fits.
 
-Goals (issue #4, on a GPU): decode at n = 128K, eps = 0.01, >= 2x faster than
+Goals (on a GPU): decode at n = 128K, eps = 0.01, >= 2x faster than
 dense cuDNN decode; prefill within 1.3x of dense with every block kept, and
 >= 2x faster than dense with 1/8 of the blocks kept.
 

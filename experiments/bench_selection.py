@@ -1,4 +1,4 @@
-r"""Benchmark: certified selection (issue #3, item 5, first and third goals).
+r"""Benchmark: certified selection.
 
 Part 1, ``exact``: ``jaxtopk.select(logits, Certified(eps))`` (radix
 threshold search, THEORY 6.1, no sort) against the SAME certificate computed

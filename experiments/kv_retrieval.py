@@ -1,6 +1,6 @@
 r"""Certified KV retrieval: keys read by searches over a content index.
 
-Issue 15; THEORY 3.3, 6.2, 6.3. For each cache (experiments/_kv_caches:
+THEORY 3.3, 6.2, 6.3. For each cache (experiments/_kv_caches:
 (a) MiniLM over many real passages, (b) the native Top-k decoder's own
 caches, (c) clustered and local-window synthetic caches), the keys are
 indexed by content (``jaxtopk.build_kv_index``) and every decode query runs

@@ -1,4 +1,4 @@
-r"""Native Top-k: train and decode small models with Top-k attention (issue 7).
+r"""Native Top-k: train and decode small models with Top-k attention.
 
 THEORY 8 ([NATIVE]). Trains a dense base decoder on seeded retrieval tasks
 (jaxtopk.tasks: associative recall, multi-key lookup and needle, which one

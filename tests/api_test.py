@@ -46,7 +46,7 @@ ALLOWED = {name: set(_STACK[:i]) for i, name in enumerate(_STACK)}
 ALLOWED["parallel"] = {"theory", "selection", "attention"}
 ALLOWED["tasks"] = set()
 
-# file -> private modules of OTHER packages it imports. Empty since issue 13:
+# file -> private modules of OTHER packages it imports. Empty:
 # every layer uses the public or documented internal API (e.g.
 # jaxtopk.selection.core); keep it empty.
 KNOWN_PRIVATE_IMPORTS = {}

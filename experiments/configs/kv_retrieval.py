@@ -1,4 +1,4 @@
-"""Config of experiments/kv_retrieval.py (certified KV retrieval, issue 15).
+"""Config of experiments/kv_retrieval.py (certified KV retrieval).
 
 Launch (default; the decoder is loaded from the committed parameters, so
 no training; see BUILD_NOTES for the wall time):

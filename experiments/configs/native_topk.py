@@ -1,4 +1,4 @@
-"""Config of experiments/native_topk.py (native Top-k, THEORY 8, issue 7).
+"""Config of experiments/native_topk.py (native Top-k, THEORY 8).
 
 Launch (default, 15.5 minutes measured on the shared 2-core CPU at load
 average 10-13; up to ~40 under heavier load, see BUILD_NOTES):

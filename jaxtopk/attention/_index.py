@@ -1,6 +1,6 @@
 """A KV cache whose keys are grouped by content, with sound group summaries.
 
-Issue 15; THEORY 3.3 (any sound per-group logit bound gives the blockwise
+THEORY 3.3 (any sound per-group logit bound gives the blockwise
 tail bound), 6.2/6.3 (searches over the groups, ``_index_search.py``).
 
 Blocks of consecutive positions have loose summaries on real keys (a block's

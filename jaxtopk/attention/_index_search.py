@@ -1,6 +1,6 @@
 """Searches over a content-grouped KV index, and certificates for any set.
 
-Issue 15; THEORY 3.3 (blockwise bound), 6.2 (Delta-Search), 6.3
+THEORY 3.3 (blockwise bound), 6.2 (Delta-Search), 6.3
 (MC-Search), 4.2/4.4 (output error). One query row attends to an
 ``IndexedKVCache`` (``_index.py``). Group g holds ``n_g`` keys inside a ball
 (centre c_g, radius r_g), so every member's logit is at most

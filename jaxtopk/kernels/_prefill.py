@@ -1,6 +1,6 @@
 """Certified block-sparse prefill: block stats -> selection -> sparse flash.
 
-The pipeline of issue #4 for a whole sequence of queries (THEORY 3.3, 6.1):
+The pipeline for a whole sequence of queries (THEORY 3.3, 6.1):
 
 1. ``block_stats`` (Pallas) scores q against every key block and returns
    each block's exact mass as a (max, sum e^{s - max}) pair (q and k only;

@@ -434,7 +434,7 @@ def logit_output_error(logit_error, head_norm) -> jax.Array:
   1 - e^{-2 delta} and the two outputs differ by at most 2 (1 - e^{-2
   delta}) max_H ||v_j|| (<= 4 delta max_H ||v_j||). Without it a row that
   keeps every key (tv = 0) would claim 0 while a subnormal query component
-  read as 0 moves its computed output by O(1) (issue 13). Rounded up;
+  read as 0 moves its computed output by O(1). Rounded up;
   0 when delta = 0; +inf for an infinite delta.
 
   Args:

@@ -1,6 +1,6 @@
-"""attention.checks: every bad input of issue 13 gets a clear error.
+"""attention.checks: every bad input of the audit gets a clear error.
 
-Each case is named after the issue's finding and runs eagerly and under
+Each case is named after the audit's finding and runs eagerly and under
 jax.jit (the checks read only shapes, dtypes and Python values).
 """
 
@@ -130,7 +130,7 @@ class ArgumentTest(parameterized.TestCase):
     self.assertIs(checks.scale_ok(0.5), True)
 
   def test_traced_scale_works(self):
-    # Issue 13: a traced scale was refused with "non-hashable static
+    # Audit finding: a traced scale was refused with "non-hashable static
     # argument"; it is returned as a dynamic 0-d array.
     @jax.jit
     def f(scale):

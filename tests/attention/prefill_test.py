@@ -178,7 +178,7 @@ class BlockwiseBehaviourTest(parameterized.TestCase):
   @parameterized.parameters("exact", "delta")
   @pytest.mark.slow
   def test_compiled_memory_grows_linearly(self, search):
-    # Never [q_len, kv_len] for the whole call (issue 14): doubling T must
+    # Never [q_len, kv_len] for the whole call: doubling T must
     # not quadruple XLA's temporary buffers.
     policy = jaxtopk.Certified(0.05, search=search)
 

@@ -1,6 +1,6 @@
 """THE attention contract: every variant x every policy x every family.
 
-issue 13 item 3 (optax's shared optimizer test is the model). The variants
+Modelled on optax's shared optimizer test. The variants
 are ``variants.VARIANTS`` (one line each), the policies
 ``policies.POLICIES`` (one line each), the adversarial families
 ``families.FAMILIES``; the float64 truth is ``reference`` (the one reference

@@ -9,7 +9,7 @@ returns) followed by ``ER`` ordinary value columns; an optional boolean
 mask ``[B, 1, T, N]`` (True = attend, shared by the heads) and an optional
 bias ``[B, H, T, N]`` (-inf allowed).
 
-Families (issue 13): normal rows; magnitudes 1e-38..1e38 with products of
+Families: normal rows; magnitudes 1e-38..1e38 with products of
 order one; subnormal components against huge ones; huge and tiny values
 mixed in one vector; ties; one dominant key; a tail far below the head; -inf
 bias; key-padding masks and per-row masks (empty rows, one real key);

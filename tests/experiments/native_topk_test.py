@@ -1,4 +1,4 @@
-"""Runs experiments/native_topk.py with its smoke config (issue 7)."""
+"""Runs experiments/native_topk.py with its smoke config."""
 
 import json
 import os

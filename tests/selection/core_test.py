@@ -3,7 +3,7 @@
 Adversarial families throughout: magnitudes 1e-45..3e38, subnormal
 components and bit patterns (which XLA on CPU reads as 0), huge and tiny
 values mixed in one vector, zeros, ties, n = 1, bfloat16 and float16 inputs.
-Each finding of issue 13 about the math has a regression test here.
+Each finding of the reliability audit about the math has a regression test here.
 """
 
 import functools
@@ -104,7 +104,7 @@ class NormsTest(parameterized.TestCase):
     check()
 
   def test_norms_do_not_collapse_above_2_to_126(self):
-    # Issue 13: value_norms divided by max|v|; XLA turned that into a
+    # Audit finding: value_norms divided by max|v|; XLA turned that into a
     # multiply by a subnormal reciprocal, flushed to 0 (norm ~5e-38).
     v = np.array([[1e38, -3e37, 0.0, 1.0]], np.float32)
     got = float(_norms_up(v)[0])
@@ -243,7 +243,7 @@ class LogitErrorTest(parameterized.TestCase):
     check()
 
   def test_flushed_query_times_huge_key(self):
-    # Issue 13: q_0 = 1e-38 is subnormal, read as 0 by the CPU, so the
+    # Audit finding: q_0 = 1e-38 is subnormal, read as 0 by the CPU, so the
     # computed logit of [-3e38, 5, 0, 0] loses -3 (5 instead of 2).
     q = np.array([1e-38, 1.0, 0.0, 0.0], np.float32)
     k = np.array([[-3e38, 5.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0]], np.float32)
@@ -254,7 +254,7 @@ class LogitErrorTest(parameterized.TestCase):
     self.assertGreaterEqual(LD(np.asarray(delta)), err)
 
   def test_tiny_query_huge_keys_no_nan(self):
-    # Issue 13: q * 1e-20 and k * 1e20 (logits O(1)) gave NaN; ||q|| ~ 9e-20
+    # Audit: q * 1e-20 and k * 1e20 (logits O(1)) gave NaN; ||q|| ~ 9e-20
     # alone gave a slack of 0.
     rng = np.random.default_rng(0)
     q0 = rng.normal(size=D).astype(np.float32)
@@ -346,7 +346,7 @@ class CertificateTest(parameterized.TestCase):
         self.assertLess(float(cert.log_tv_bound[r]) - float(log_tau), tol)
 
   def test_tail_far_below_the_head_is_not_zero(self):
-    # Issue 13: decode summed e^{s - row max} and returned tv 0 where tau is
+    # Audit: decode summed e^{s - row max} and returned tv 0 where tau is
     # 5.6e-43; the core uses the tail's own max.
     s = np.array([[0.0, -97.0, -98.0, -1e4]], np.float32)
     keep = np.array([[True, False, False, False]])
@@ -499,7 +499,7 @@ class PartialTest(parameterized.TestCase):
     self.assertEqual(int(cert.k_kept), int(np.sum(keep & pos)))
 
   def test_huge_values_do_not_overflow(self):
-    # Issue 13: decode and Pallas outputs overflowed to inf with valid =
+    # Audit finding: decode and Pallas outputs overflowed to inf with valid =
     # True for values ~3e37; a normalised o stays 3e37.
     s = np.zeros(12, np.float32)
     v = np.full((12, 2), 3e37, np.float32)

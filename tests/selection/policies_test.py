@@ -33,7 +33,7 @@ class ValidationTest(parameterized.TestCase):
     ("ratio_complex", lambda: jaxtopk.Ratio(0.5j), "rho=0.5j"),
     ("powerlaw_c", lambda: jaxtopk.PowerLaw(1.0, 1.5), "c=1.5"),
     ("powerlaw_alpha", lambda: jaxtopk.PowerLaw(-1.0, 0.5), "alpha=-1.0"),
-    # Issue 13: PowerLaw(inf, 0.5) was accepted, then crashed.
+    # Audit finding: PowerLaw(inf, 0.5) was accepted, then crashed.
     ("powerlaw_inf", lambda: jaxtopk.PowerLaw(float("inf"), 0.5), "inf"),
     ("powerlaw_np_inf", lambda: jaxtopk.PowerLaw(np.inf, 0.5), "alpha=inf"),
     ("certified_eps", lambda: jaxtopk.Certified(1.0), "eps=1.0"),
@@ -75,7 +75,7 @@ class ValidationTest(parameterized.TestCase):
       make()
 
   def test_numpy_and_jax_scalars_are_normalised(self):
-    # Issue 13: these were rejected with a misleading message.
+    # Audit finding: these were rejected with a misleading message.
     cases = [
       (jaxtopk.Ratio(np.float32(0.5)).rho, 0.5, float),
       (jaxtopk.Certified(np.float32(0.1)).eps, float(np.float32(0.1)), float),

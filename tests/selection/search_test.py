@@ -186,7 +186,7 @@ _SEARCHES = (
 class AdversarialSearchTest(parameterized.TestCase):
   @parameterized.named_parameters(*_SEARCHES)
   def test_flushed_query_component(self, kw):
-    # Issue 13: q_0 = 1e-38 is read as 0 by the CPU, so the first key's
+    # Audit finding: q_0 = 1e-38 is read as 0 by the CPU, so the first key's
     # logit reads 5 instead of 2; the bound was 0.15 against tau 0.73.
     q = np.array([[1e-38, 1.0, 0.0, 0.0]], np.float32)
     k = np.array([[[-3e38, 5.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0]]], np.float32)
@@ -234,7 +234,7 @@ class AdversarialSearchTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*_SEARCHES)
   def test_max_topk_honoured(self, kw):
-    # Issue 13: Certified(0.01, max_topk=4) kept 4 keys on the exact path
+    # Audit finding: Certified(0.01, max_topk=4) kept 4 keys on the exact path
     # but 253 through Delta-Search; every search now caps.
     k = np.zeros((R, 24, D), np.float32)  # flat rows need every key
     q = np.ones((R, D), np.float32)

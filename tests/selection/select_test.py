@@ -166,14 +166,14 @@ class SelectTest(parameterized.TestCase):
     ("certified", jaxtopk.Certified(0.1)),
   )
   def test_no_keys_gives_invalid_rows(self, policy):
-    # Issue 13: n = 0 crashed with an obscure message.
+    # Audit finding: n = 0 crashed with an obscure message.
     sel = jaxtopk.select(jnp.ones((3, 0)), policy, values=np.ones((3, 0, 2)))
     self.assertEqual(sel.keep.shape, (3, 0))
     np.testing.assert_array_equal(sel.certificate.valid, False)
     self.assertTrue(np.all(np.isnan(sel.certificate.output_error_bound)))
 
   def test_minus_inf_logit_is_a_key_of_zero_mass(self):
-    # Issue 13: bias = -inf made the whole row invalid; it is a key of zero
+    # Audit finding: bias = -inf made the whole row invalid; it is a key of zero
     # mass (never kept, not counted), as in jax.nn.dot_product_attention.
     s = jnp.array([[2.0, -jnp.inf, 1.0, 0.0], [-jnp.inf] * 4])
     for policy in (jaxtopk.FixedK(3), jaxtopk.Dense(), jaxtopk.Certified(0.5)):

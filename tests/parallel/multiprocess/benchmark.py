@@ -1,4 +1,4 @@
-r"""Wall time per step and collective bytes at 1, 2 and 4 processes (issue 17).
+r"""Wall time per step and collective bytes at 1, 2 and 4 processes.
 
 Runs ``worker.py`` with ``--repeats`` as one 8-device mesh laid out four
 ways, one after the other: 1 process with XLA's in-process collectives

@@ -1,4 +1,4 @@
-"""Which collectives work over gloo CPU collectives, per dtype (issue 17).
+"""Which collectives work over gloo CPU collectives, per dtype.
 
 A diagnostic, not a test: it starts itself as 2 processes x 2 CPU devices
 (``jaxtopk.parallel.launch_local``), runs each collective under

@@ -1,6 +1,6 @@
 """Real multi-process runs: 2 x 4 and 4 x 2 CPU devices as one 8-device mesh.
 
-Issue 17. ``worker.py`` runs as several processes on 127.0.0.1
+``worker.py`` runs as several processes on 127.0.0.1
 (``jaxtopk.parallel.LocalCluster``: gloo CPU collectives, a free
 coordinator port, a deadline, process groups), each calling the library's
 multi-host start-up and loading only its own block of every array. Four
@@ -34,7 +34,7 @@ A fifth, short run checks that a peer dying after start-up fails the run
 within seconds, naming it.
 
 Cost: 10 processes of ~10-15 s of CPU each (XLA compilation above all);
-BUILD_NOTES "Multi-host (issue 17)" has the measured wall time.
+BUILD_NOTES "Multi-host" has the measured wall time.
 """
 
 import json

@@ -1,4 +1,4 @@
-"""One process of a multi-process jaxtopk run (issue 17).
+"""One process of a multi-process jaxtopk run.
 
 Started N times by ``jaxtopk.parallel.LocalCluster`` (see
 ``multiprocess_test.py``), or once for the single-process reference. Each
