@@ -49,9 +49,9 @@ from tests.contract import policies as pol
 from tests.contract import reference
 from tests.contract import variants as var
 
-# (variant, policy or dtype, test) -> why it fails today. ONE place; the lead
-# empties it at merge time as the owners of these paths land their fixes
-# (an entry that passes fails the test: remove it). Every cell here still
+# (variant, policy or dtype, test) -> why it fails today. ONE place,
+# emptied as the fixes of these paths land (an entry that passes fails the
+# test: remove it). Every cell here still
 # runs all its checks; the xfail message lists what failed.
 EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {}
 
