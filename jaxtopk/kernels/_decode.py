@@ -172,6 +172,10 @@ def _run_kernel(query, key, value, mask, pl_, log_c, cfg):
   b, h, d = query.shape
   hkv, n, dv = key.shape[1], key.shape[2], value.shape[3]
   bk, ns = bs.block_k, pl_.order.shape[2]
+  dv_out = dv
+  if backend == "gpu":  # power-of-2 dims (exact zero terms and columns)
+    query, key, value = map(_common.pad_last_for_triton, (query, key, value))
+    d, dv = query.shape[-1], value.shape[-1]
   kp = _common.pad_to(key, 2, bk).reshape(b * hkv, -1, d)
   vp = _common.pad_to(value, 2, bk).reshape(b * hkv, -1, dv)
   n_p = kp.shape[1]
@@ -193,7 +197,7 @@ def _run_kernel(query, key, value, mask, pl_, log_c, cfg):
     interpret=interpret,
   )
   return (
-    o.reshape(b, h, ns, dv),
+    o.reshape(b, h, ns, dv)[..., :dv_out],
     m.reshape(b, h, ns),
     ell.reshape(b, h, ns),
     err.reshape(b, h, ns),

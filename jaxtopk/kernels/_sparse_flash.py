@@ -203,6 +203,10 @@ def _forward(q, k, v, block_idx, block_count, mask, cfg):
       f" {(b, h, nqt, max_kept)} for {bq=}"
     )
   kvm = _common.pad_to(_common.kv_mask_array(mask, b, nk), 2, bk)
+  dv_out = dv
+  if backend == "gpu":  # power-of-2 dims >= 16 (zero terms and columns)
+    q, k, v = map(_common.pad_last_for_triton, (q, k, v))
+    d, dv = q.shape[-1], v.shape[-1]
   qp = _common.pad_to(q, 2, bq).reshape(b * h, -1, d)
   kp = _common.pad_to(k, 2, bk).reshape(b * hkv, -1, d)
   vp = _common.pad_to(v, 2, bk).reshape(b * hkv, -1, dv)
@@ -275,7 +279,7 @@ def _forward(q, k, v, block_idx, block_count, mask, cfg):
       interpret=interpret,
       name="jaxtopk_sparse_flash",
     )(idx, cnt, qp, kp, vp, kvm)
-  o = o.reshape(b, h, nq_p, dv)[:, :, :nq]
+  o = o.reshape(b, h, nq_p, dv)[:, :, :nq, :dv_out]
   m, ell, err = (x.reshape(b, h, nq_p)[:, :, :nq] for x in (m, ell, err))
   has = ell > 0
   m = jnp.where(has, m, -jnp.inf)
