@@ -86,6 +86,20 @@ def triton_width(n: int) -> int:
   return max(TRITON_MIN_WIDTH, 1 << max(n - 1, 0).bit_length())
 
 
+def check_gpu_block(name: str, value: int, minimum: int = TRITON_MIN_WIDTH):
+  """Refuses a ``'gpu'`` tile size Triton cannot lower, by name.
+
+  Tiles are array dims inside the kernel, so they must be powers of 2 (the
+  head dims are padded instead); a tile that is a ``dot`` operand's row
+  count must also be at least 16.
+  """
+  if value < minimum or value & (value - 1):
+    raise ValueError(
+      f"{name}={value} must be a power of 2 >= {minimum} on the 'gpu'"
+      " backend (the Pallas Triton lowering needs power-of-2 arrays)"
+    )
+
+
 def pad_last_for_triton(x: jax.Array) -> jax.Array:
   """Zero-pads the last axis of ``x`` to ``triton_width`` (GPU kernels).
 

@@ -371,6 +371,8 @@ def certified_decode(
   d = query.shape[-1]
   scale = float(d**-0.5 if scale is None else scale)
   backend = _common.resolve_backend(backend)
+  if backend == "gpu":  # [block_k, d] arrays, no dot
+    _common.check_gpu_block("block_k", bs.block_k, minimum=1)
   sq = jax.lax.stop_gradient(query)
   box, delta = _summaries(sq, key, mask, summary, scale, bs.block_k)
   if value_norms is None:

@@ -570,11 +570,15 @@ def sparse_flash_stats(
   through the output and lse (not through the statistics).
   """
   _common.check_head_major(query, key, value)
+  backend = _common.resolve_backend(backend)
+  if backend == "gpu":
+    _common.check_gpu_block("block_q", block_sizes.block_q)
+    _common.check_gpu_block("block_k", block_sizes.block_k)
   cfg = (
     float(scale),
     bool(is_causal),
     block_sizes,
-    _common.resolve_backend(backend),
+    backend,
     bool(interpret),
   )
   return _sparse_flash(query, key, value, block_idx, block_count, mask, cfg)

@@ -198,13 +198,31 @@ class LoweringTest(parameterized.TestCase):
       backend="gpu",
       block_sizes=kernels.BlockStatsSizes(24, 128),
     )
-    with self.assertRaisesRegex(ValueError, "power of 2"):
+    with self.assertRaisesRegex(ValueError, "block_q=24 must be a power of 2"):
       _export(
         fn,
         "cuda",
         S((B, H, 48, D), jnp.float32),
         S((B, HKV, NK, D), jnp.float32),
       )
+    # Refused by name before lowering, on the other GPU kernels too.
+    q, kv = S((B, H, 64, D), jnp.float32), S((B, HKV, NK, D), jnp.float32)
+    pre = functools.partial(
+      kernels.certified_sparse_attention,
+      eps=0.01,
+      backend="gpu",
+      block_sizes=kernels.SparseFlashSizes(16, 48),
+    )
+    with self.assertRaisesRegex(ValueError, "block_k=48 must be a power of 2"):
+      _export(pre, "cuda", q, kv, kv)
+    dec = functools.partial(
+      kernels.certified_decode,
+      eps=0.01,
+      backend="gpu",
+      block_sizes=kernels.DecodeSizes(24, 2),
+    )
+    with self.assertRaisesRegex(ValueError, "block_k=24 must be a power of 2"):
+      _export(dec, "cuda", S((B, H, D), jnp.float32), kv, kv)
 
 
 if __name__ == "__main__":
