@@ -8,6 +8,11 @@ of kept values, so values near the largest float do not overflow) and the
 kernel returns the kept keys' (max, sum, rounding) statistics, the head of
 the certificate (``sparse_flash_stats``), and their log-sum-exp log Z_H.
 
+The value product rounds the weights to the value dtype first, as flash
+kernels do (bfloat16: 2^-9 relative, like the output's own cast): output
+rounding, which certificates do not cover (``Certificate``); the XLA
+reference multiplies float32 weights.
+
 TPU: block lists are scalar-prefetched and drive the K/V BlockSpec index
 maps (grid axis over list positions, ``pl.when`` skips padding entries,
 which repeat the last index so no new block is fetched). GPU: the kernel
