@@ -25,12 +25,16 @@ from hypothesis import settings  # noqa: E402
 # Property tests: bounded example counts (sized for CI's 20 minutes on 2
 # cores; the soak profile below draws 500 fresh ones), no deadline (jit
 # compiles on first call), derandomized so CI runs are reproducible.
+# differing_executors: a compiled-kernel class (tests/kernels, INTERPRET =
+# False) inherits its interpret-mode class's properties, and on a GPU both
+# run in one process: the same property on two kernels, as intended.
+_SUPPRESSED = [HealthCheck.too_slow, HealthCheck.differing_executors]
 settings.register_profile(
   "ci",
   max_examples=30,
   deadline=None,
   derandomize=True,
-  suppress_health_check=[HealthCheck.too_slow],
+  suppress_health_check=_SUPPRESSED,
 )
 # Bug hunting (not CI): HYPOTHESIS_PROFILE=soak draws fresh random examples,
 # many more of them, e.g. on the soundness tests (`-k sound`).
@@ -40,7 +44,7 @@ settings.register_profile(
   deadline=None,
   derandomize=False,
   database=None,
-  suppress_health_check=[HealthCheck.too_slow],
+  suppress_health_check=_SUPPRESSED,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

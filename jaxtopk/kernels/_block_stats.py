@@ -168,6 +168,11 @@ def block_stats(
   scale = float(d**-0.5 if scale is None else scale)
   bq, bk = bs.block_q, bs.block_k
   kvm = _common.pad_to(_common.kv_mask_array(mask, b, nk), 2, bk)
+  if backend == "gpu":  # power-of-2 head dim >= 16 (exact zero terms)
+    _common.check_gpu_block("block_q", bq)
+    _common.check_gpu_block("block_k", bk)
+    query, key = map(_common.pad_last_for_triton, (query, key))
+    d = query.shape[-1]
   q = _common.pad_to(query, 2, bq).reshape(b * h, -1, d)
   k = _common.pad_to(key, 2, bk).reshape(b * hkv, -1, d)
   nq_p, nk_p = q.shape[1], k.shape[1]

@@ -76,6 +76,46 @@ def pad_to(x: jax.Array, axis: int, multiple: int, value=0) -> jax.Array:
   return jnp.pad(x, widths, constant_values=value)
 
 
+# Triton's smallest dot operand width (16-bit dot instructions are k16) and,
+# rounded up to a power of 2, the width every GPU kernel array dim must have.
+TRITON_MIN_WIDTH = 16
+
+
+def triton_width(n: int) -> int:
+  """Smallest power of 2 that is >= ``n`` and >= ``TRITON_MIN_WIDTH``."""
+  return max(TRITON_MIN_WIDTH, 1 << max(n - 1, 0).bit_length())
+
+
+def check_gpu_block(name: str, value: int, minimum: int = TRITON_MIN_WIDTH):
+  """Refuses a ``'gpu'`` tile size Triton cannot lower, by name.
+
+  Tiles are array dims inside the kernel, so they must be powers of 2 (the
+  head dims are padded instead); a tile that is a ``dot`` operand's row
+  count must also be at least 16.
+  """
+  if value < minimum or value & (value - 1):
+    raise ValueError(
+      f"{name}={value} must be a power of 2 >= {minimum} on the 'gpu'"
+      " backend (the Pallas Triton lowering needs power-of-2 arrays)"
+    )
+
+
+def pad_last_for_triton(x: jax.Array) -> jax.Array:
+  """Zero-pads the last axis of ``x`` to ``triton_width`` (GPU kernels).
+
+  The Pallas Triton lowering needs power-of-2 array sizes, and a 16-bit
+  ``dot`` with a contraction narrower than 16 computes wrong values. Zero
+  columns change no dot product (each added term is an exact 0, so the
+  rounding of the real terms and its bound are those of the unpadded head
+  dim) and give zero output columns, which the callers slice off.
+  """
+  n = x.shape[-1]
+  pad = triton_width(n) - n
+  if pad == 0:
+    return x
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
 def check_head_major(query, key, value=None):
   """Validates ``[b, h, q, d]`` query and ``[b, h_kv, s, d]`` key/value."""
   if query.ndim != 4 or key.ndim != 4:

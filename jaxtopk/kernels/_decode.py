@@ -172,6 +172,10 @@ def _run_kernel(query, key, value, mask, pl_, log_c, cfg):
   b, h, d = query.shape
   hkv, n, dv = key.shape[1], key.shape[2], value.shape[3]
   bk, ns = bs.block_k, pl_.order.shape[2]
+  dv_out = dv
+  if backend == "gpu":  # power-of-2 dims (exact zero terms and columns)
+    query, key, value = map(_common.pad_last_for_triton, (query, key, value))
+    d, dv = query.shape[-1], value.shape[-1]
   kp = _common.pad_to(key, 2, bk).reshape(b * hkv, -1, d)
   vp = _common.pad_to(value, 2, bk).reshape(b * hkv, -1, dv)
   n_p = kp.shape[1]
@@ -193,7 +197,7 @@ def _run_kernel(query, key, value, mask, pl_, log_c, cfg):
     interpret=interpret,
   )
   return (
-    o.reshape(b, h, ns, dv),
+    o.reshape(b, h, ns, dv)[..., :dv_out],
     m.reshape(b, h, ns),
     ell.reshape(b, h, ns),
     err.reshape(b, h, ns),
@@ -367,6 +371,8 @@ def certified_decode(
   d = query.shape[-1]
   scale = float(d**-0.5 if scale is None else scale)
   backend = _common.resolve_backend(backend)
+  if backend == "gpu":  # [block_k, d] arrays, no dot
+    _common.check_gpu_block("block_k", bs.block_k, minimum=1)
   sq = jax.lax.stop_gradient(query)
   box, delta = _summaries(sq, key, mask, summary, scale, bs.block_k)
   if value_norms is None:

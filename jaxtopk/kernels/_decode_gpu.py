@@ -1,8 +1,15 @@
 """The decode kernel on a GPU grid: (query head, split).
 
-Each program runs a while loop over its split's ordered blocks, slicing K/V
-with ``pl.ds`` from the whole head's refs (Triton), and really stops
-reading once the Delta-Search rule holds.
+Each program loops over its split's live positions (``fori_loop`` with a
+dynamic trip count, lowered to ``scf.for``), slicing K/V with ``pl.ds`` from
+the whole head's refs (Triton). Once the Delta-Search rule holds, a
+``lax.cond`` skips the remaining positions: no block is read after the stop
+(a position then costs one scalar compare). A ``while_loop`` whose condition
+reads the stop flag (``scf.while`` with tensor carries) lowered but crashed
+the XLA Triton compiler on an H100, hence this form.
+
+Head and value dims reach the kernel padded to a power of 2 (``_decode``,
+``_common.pad_last_for_triton``).
 """
 
 import functools
@@ -39,31 +46,31 @@ def _kernel(
   n_live = live_ref[0]
   log_c = logc_ref[0]
 
-  def cond(c):
-    j, stopped = c[0], c[1]
-    return (j < n_live) & (stopped == 0)
+  def body(j, c):
+    def score(c):
+      _, n, *carry = c
+      start = pl.multiple_of(order_ref[j] * bk, bk)
+      m, ell, o, err = _decode_step.score_block(
+        q,
+        k_ref[pl.ds(start, bk), :],
+        v_ref[pl.ds(start, bk), :],
+        kvm_ref[pl.ds(start, bk), :],
+        tuple(carry),
+        scale,
+      )
+      stop = _decode_step.stop(rest_ref[j], jnp.max(m), jnp.max(ell), log_c)
+      return stop.astype(jnp.int32), n + 1, m, ell, o, err
 
-  def body(c):
-    j, _, *carry = c
-    start = pl.multiple_of(order_ref[j] * bk, bk)
-    m, ell, o, err = _decode_step.score_block(
-      q,
-      k_ref[pl.ds(start, bk), :],
-      v_ref[pl.ds(start, bk), :],
-      kvm_ref[pl.ds(start, bk), :],
-      tuple(carry),
-      scale,
-    )
-    stop = _decode_step.stop(rest_ref[j], jnp.max(m), jnp.max(ell), log_c)
-    return j + 1, stop.astype(jnp.int32), m, ell, o, err
+    return lax.cond(c[0] == 0, score, lambda c: c, c)
 
+  # (stopped, positions scored, m, denom, o, err)
   init = (jnp.int32(0), jnp.int32(0), *_decode_step.init(dv))
-  j, _, m, ell, o, err = lax.while_loop(cond, body, init)
+  _, n, m, ell, o, err = lax.fori_loop(0, n_live, body, init)
   o_out[...] = o
   m_out[...] = m
   l_out[...] = ell
   e_out[...] = err
-  n_out[...] = jnp.full(n_out.shape, j, jnp.int32)
+  n_out[...] = jnp.full(n_out.shape, n, jnp.int32)
 
 
 def run(

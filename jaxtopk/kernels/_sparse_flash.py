@@ -8,6 +8,11 @@ of kept values, so values near the largest float do not overflow) and the
 kernel returns the kept keys' (max, sum, rounding) statistics, the head of
 the certificate (``sparse_flash_stats``), and their log-sum-exp log Z_H.
 
+The value product rounds the weights to the value dtype first, as flash
+kernels do (bfloat16: 2^-9 relative, like the output's own cast): output
+rounding, which certificates do not cover (``Certificate``); the XLA
+reference multiplies float32 weights.
+
 TPU: block lists are scalar-prefetched and drive the K/V BlockSpec index
 maps (grid axis over list positions, ``pl.when`` skips padding entries,
 which repeat the last index so no new block is fetched). GPU: the kernel
@@ -203,6 +208,10 @@ def _forward(q, k, v, block_idx, block_count, mask, cfg):
       f" {(b, h, nqt, max_kept)} for {bq=}"
     )
   kvm = _common.pad_to(_common.kv_mask_array(mask, b, nk), 2, bk)
+  dv_out = dv
+  if backend == "gpu":  # power-of-2 dims >= 16 (zero terms and columns)
+    q, k, v = map(_common.pad_last_for_triton, (q, k, v))
+    d, dv = q.shape[-1], v.shape[-1]
   qp = _common.pad_to(q, 2, bq).reshape(b * h, -1, d)
   kp = _common.pad_to(k, 2, bk).reshape(b * hkv, -1, d)
   vp = _common.pad_to(v, 2, bk).reshape(b * hkv, -1, dv)
@@ -275,7 +284,7 @@ def _forward(q, k, v, block_idx, block_count, mask, cfg):
       interpret=interpret,
       name="jaxtopk_sparse_flash",
     )(idx, cnt, qp, kp, vp, kvm)
-  o = o.reshape(b, h, nq_p, dv)[:, :, :nq]
+  o = o.reshape(b, h, nq_p, dv)[:, :, :nq, :dv_out]
   m, ell, err = (x.reshape(b, h, nq_p)[:, :, :nq] for x in (m, ell, err))
   has = ell > 0
   m = jnp.where(has, m, -jnp.inf)
@@ -566,11 +575,15 @@ def sparse_flash_stats(
   through the output and lse (not through the statistics).
   """
   _common.check_head_major(query, key, value)
+  backend = _common.resolve_backend(backend)
+  if backend == "gpu":
+    _common.check_gpu_block("block_q", block_sizes.block_q)
+    _common.check_gpu_block("block_k", block_sizes.block_k)
   cfg = (
     float(scale),
     bool(is_causal),
     block_sizes,
-    _common.resolve_backend(backend),
+    backend,
     bool(interpret),
   )
   return _sparse_flash(query, key, value, block_idx, block_count, mask, cfg)

@@ -67,7 +67,10 @@ class DenseAgreementTest(parameterized.TestCase):
     out, cert = jaxtopk.topk_attention(
       q, k, v, policy=policy, mask=mask, is_causal=causal
     )
-    ref = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
+    # jax.nn at full float32 products, as jaxtopk computes (core.PRECISION):
+    # at the default precision a GPU multiplies in TF32 (errors ~1e-3 here).
+    with jax.default_matmul_precision("highest"):
+      ref = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
     self.assertEqual(out.dtype, dtype)
     np.testing.assert_allclose(
       np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol(dtype)
@@ -80,7 +83,8 @@ class DenseAgreementTest(parameterized.TestCase):
     v = v[..., :D]
     bias = jax.random.normal(jax.random.key(4), (1, H, T, S))
     out, _ = jaxtopk.topk_attention(q, k, v, policy=jaxtopk.Dense(), bias=bias)
-    ref = jax.nn.dot_product_attention(q, k, v, bias=bias)
+    with jax.default_matmul_precision("highest"):  # as above: no TF32
+      ref = jax.nn.dot_product_attention(q, k, v, bias=bias)
     np.testing.assert_allclose(out, ref, **tol(jnp.float32))
 
 
@@ -134,9 +138,10 @@ class TopkTest(parameterized.TestCase):
         q, k, v, policy=jaxtopk.Dense(), is_causal=True
       )[0]
     )(q, k, v)
-    g2 = loss(
-      lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    )(q, k, v)
+    with jax.default_matmul_precision("highest"):  # no TF32 on a GPU
+      g2 = loss(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      )(q, k, v)
     for a, b in zip(g1, g2, strict=True):
       np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 

@@ -148,6 +148,49 @@ class LoweringTest(parameterized.TestCase):
     )
     self.assertTrue("jaxtopk_certified_decode" in text)
 
+  @parameterized.product(
+    dims=[(8, 5), (8, 7), (8, 3), (3, 2)],
+    dtype=[jnp.float32, jnp.bfloat16],
+  )
+  def test_odd_head_dims_lower_for_triton(self, dims, dtype):
+    # The head / value dims of the compiled kernel tests (not powers of 2,
+    # d = 8 below Triton's 16-wide bf16 dot): the GPU wrappers pad them with
+    # zeros to a power of 2 >= 16 inside, so every kernel still lowers.
+    d, dv = dims
+    nq, nk, bq, bk = 37, 301, 16, 32
+    pre = functools.partial(
+      kernels.certified_sparse_attention,
+      eps=0.05,
+      is_causal=True,
+      backend="gpu",
+      block_sizes=kernels.SparseFlashSizes(bq, bk),
+    )
+    dec = functools.partial(
+      kernels.certified_decode,
+      eps=0.05,
+      backend="gpu",
+      block_sizes=kernels.DecodeSizes(16, 3),
+    )
+    kv = (S((2, HKV, nk, d), dtype), S((2, HKV, nk, dv), dtype))
+    m = S((2, nk), bool)
+    text = _export(
+      lambda q, k, v, m: pre(q, k, v, mask=m),
+      "cuda",
+      S((2, H, nq, d), dtype),
+      *kv,
+      m,
+    )
+    self.assertIn("jaxtopk_block_stats", text)
+    self.assertIn("jaxtopk_sparse_flash", text)
+    text = _export(
+      lambda q, k, v, m: dec(q, k, v, mask=m),
+      "cuda",
+      S((2, H, d), dtype),
+      *kv,
+      m,
+    )
+    self.assertIn("jaxtopk_certified_decode", text)
+
   def test_bad_tiling_is_caught(self):
     # block_q = 24 is not a power of 2, which Triton requires.
     fn = functools.partial(
@@ -155,13 +198,31 @@ class LoweringTest(parameterized.TestCase):
       backend="gpu",
       block_sizes=kernels.BlockStatsSizes(24, 128),
     )
-    with self.assertRaisesRegex(ValueError, "power of 2"):
+    with self.assertRaisesRegex(ValueError, "block_q=24 must be a power of 2"):
       _export(
         fn,
         "cuda",
         S((B, H, 48, D), jnp.float32),
         S((B, HKV, NK, D), jnp.float32),
       )
+    # Refused by name before lowering, on the other GPU kernels too.
+    q, kv = S((B, H, 64, D), jnp.float32), S((B, HKV, NK, D), jnp.float32)
+    pre = functools.partial(
+      kernels.certified_sparse_attention,
+      eps=0.01,
+      backend="gpu",
+      block_sizes=kernels.SparseFlashSizes(16, 48),
+    )
+    with self.assertRaisesRegex(ValueError, "block_k=48 must be a power of 2"):
+      _export(pre, "cuda", q, kv, kv)
+    dec = functools.partial(
+      kernels.certified_decode,
+      eps=0.01,
+      backend="gpu",
+      block_sizes=kernels.DecodeSizes(24, 2),
+    )
+    with self.assertRaisesRegex(ValueError, "block_k=24 must be a power of 2"):
+      _export(dec, "cuda", S((B, H, D), jnp.float32), kv, kv)
 
 
 if __name__ == "__main__":
