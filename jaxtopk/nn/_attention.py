@@ -48,8 +48,7 @@ from flax.nnx.module import first_from
 
 from jaxtopk.attention import KVCache
 from jaxtopk.attention import decode_attention
-from jaxtopk.attention import init_kv_cache
-from jaxtopk.attention import kv_cache_update
+from jaxtopk.attention._cache import appended
 from jaxtopk.nn._attention_fn import certified_attention
 from jaxtopk.nn._attention_fn import check_implementation
 from jaxtopk.nn._attention_fn import check_policy
@@ -391,7 +390,7 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
         block_size = min(DEFAULT_BLOCK_SIZE, max_length)
     capacity = -(-max_length // block_size) * block_size
     self.kv_cache = nnx.Cache(
-      init_kv_cache(
+      KVCache.create(
         math.prod(batch),
         capacity,
         self.num_kv_heads,
@@ -458,7 +457,9 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     if self.dtype is not None:
       query = query.astype(self.dtype)
     # Under jit a full sequence writes nothing and its rows are invalid.
-    cache = kv_cache_update(
+    # Not donated (``appended``): the variable's old cache may be shared,
+    # e.g. by a clone of this module.
+    cache = appended(
       cache, key, value, num_steps=jnp.where(full, 0, 1).astype(jnp.int32)
     )
     self.kv_cache.set_value(cache)
