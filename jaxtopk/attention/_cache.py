@@ -131,7 +131,9 @@ class KVCache:
       value_dim=value_dim,
     )
 
-  def append(self, keys, values, *, num_steps=None) -> "KVCache":
+  def append(
+    self, keys, values, *, num_steps=None, donate: bool = True
+  ) -> "KVCache":
     """Appends ``steps`` positions to every sequence; O(steps) work.
 
     Keys and values are written at positions ``length .. length + steps -
@@ -147,8 +149,8 @@ class KVCache:
     ``cache = cache.append(k, v)``); using it raises jax's deleted-array
     RuntimeError (from ``append`` itself, one naming it), never a wrong
     result. To keep it, append to a copy (``jax.tree.map(jnp.copy,
-    cache).append(k, v)``). Under ``jax.jit`` nothing is donated (the
-    caller's jit decides).
+    cache).append(k, v)``) or pass ``donate=False``. Under ``jax.jit``
+    nothing is donated (the caller's jit decides).
 
     Args:
       keys: ``[batch, steps, kv_heads, head_dim]`` (jax.nn layout).
@@ -159,6 +161,10 @@ class KVCache:
         different lengths); the rest are not written. Default: all.
         Concrete values must lie in [0, steps]; traced ones (under jit) are
         clipped to it.
+      donate: False leaves this cache valid and copies it (O(max_len) per
+        call outside jit): for a cache that something else still holds (a
+        Flax variable that a cloned module shares, a model's cache decoded
+        under several policies).
 
     Returns:
       The updated KVCache.
@@ -171,7 +177,7 @@ class KVCache:
       RuntimeError: this cache was donated to an earlier append.
     """
     keys, values, num_steps = _checked(self, keys, values, num_steps, "append")
-    return _append(self, keys, values, num_steps)
+    return (_append if donate else _update)(self, keys, values, num_steps)
 
   @property
   def max_len(self) -> int:
@@ -312,17 +318,6 @@ def _checked(cache: KVCache, keys, values, num_steps, method: str):
   return check_append(keys, values, b, h, d, cache.values.shape[-1], num_steps)
 
 
-def appended(cache: KVCache, keys, values, *, num_steps=None) -> KVCache:
-  """``cache.append`` that leaves ``cache`` valid (copies it, O(max_len)).
-
-  For caches that something else may still hold: a Flax variable that a
-  cloned module shares, a model's cache reused across decoding policies.
-  Under ``jax.jit`` the two are the same.
-  """
-  keys, values, num_steps = _checked(cache, keys, values, num_steps, "append")
-  return _update(cache, keys, values, num_steps)
-
-
 def init_kv_cache(
   batch: int,
   max_len: int,
@@ -362,7 +357,7 @@ def kv_cache_update(cache: KVCache, key, value, *, num_steps=None) -> KVCache:
     DeprecationWarning,
     stacklevel=2,
   )
-  return appended(cache, key, value, num_steps=num_steps)
+  return cache.append(key, value, num_steps=num_steps, donate=False)
 
 
 def _update_impl(cache, key, value, num_steps):

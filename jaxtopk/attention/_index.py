@@ -215,7 +215,9 @@ class IndexedKVCache:
     kwargs.setdefault("max_len", cache.max_len)
     return cls.build(keys, values, lengths=cache.length, **kwargs)
 
-  def append(self, keys, values, *, num_steps=None) -> "IndexedKVCache":
+  def append(
+    self, keys, values, *, num_steps=None, donate: bool = True
+  ) -> "IndexedKVCache":
     """Appends ``steps`` positions to every batch row (a decode step, ...).
 
     Each key joins its nearest non-full group (or opens a spare group when
@@ -229,8 +231,9 @@ class IndexedKVCache:
     updated in place and become the returned index's. This object must not
     be used afterwards (rebind: ``index = index.append(k, v)``); using it
     raises jax's deleted-array RuntimeError, never a wrong result. To keep
-    it, append to a copy (``jax.tree.map(jnp.copy, index)``). Under
-    ``jax.jit`` nothing is donated (the caller's jit decides).
+    it, append to a copy (``jax.tree.map(jnp.copy, index)``) or pass
+    ``donate=False``. Under ``jax.jit`` nothing is donated (the caller's
+    jit decides).
 
     Args:
       keys: ``[batch, steps, kv_heads, head_dim]`` (jax.nn layout).
@@ -238,6 +241,8 @@ class IndexedKVCache:
       num_steps: optional ``[batch]`` integers (or one for every row), how
         many of the steps are real (ragged appends, as ``KVCache.append``:
         in [0, steps] when concrete, clipped when traced).
+      donate: False leaves this index valid and copies it (as
+        ``KVCache.append``).
 
     Returns:
       The updated IndexedKVCache.
@@ -249,7 +254,8 @@ class IndexedKVCache:
       RuntimeError: this index was donated to an earlier append.
     """
     keys, values, num_steps = _checked(self, keys, values, num_steps)
-    return _index_append(self, keys, values, num_steps)
+    update = _index_append if donate else _index_update
+    return update(self, keys, values, num_steps)
 
   def rebuild(self, **kwargs) -> "IndexedKVCache":
     """Re-clusters every stored key from scratch (same capacity).
@@ -779,8 +785,7 @@ def kv_index_update(
   valid, and every call copies it, as before).
   """
   _deprecated("kv_index_update", "IndexedKVCache.append")
-  key, value, num_steps = _checked(index, key, value, num_steps)
-  return _index_update(index, key, value, num_steps)
+  return index.append(key, value, num_steps=num_steps, donate=False)
 
 
 def _deprecated(old: str, new: str) -> None:

@@ -37,7 +37,6 @@ from jaxtyping import Float
 from jaxtyping import Int
 
 from jaxtopk.attention import KVCache
-from jaxtopk.attention._cache import appended
 from jaxtopk.models._decoder_attention import as_attention
 from jaxtopk.models._decoder_attention import cache_block_size
 from jaxtopk.models._decoder_config import DecoderConfig
@@ -163,7 +162,7 @@ class _Block(nnx.Module):
   def step(self, x, positions, inv_freq, cache, *, attention, rng):
     """One token ``x`` ``[b, 1, dim]``: append to ``cache``, attend over it."""
     q, k, v = self.qkv(x, positions, inv_freq)  # [b, 1, h(k), d]
-    cache = appended(cache, k, v)  # the caller's cache stays valid
+    cache = cache.append(k, v, donate=False)  # the caller's stays valid
     out, aux = attention.decode(q, cache, rng=rng)
     return self._finish(x, out.astype(x.dtype)), cache, aux
 
@@ -337,7 +336,7 @@ class TopKDecoder(nnx.Module):
       b, max_len, block_size=block_size, dtype=kvs[0][0].dtype
     )
     layers = tuple(
-      appended(layer, k, v)  # not donated: the layers share one empty cache
+      layer.append(k, v, donate=False)  # the layers share one empty cache
       for layer, (k, v) in zip(empty.layers, kvs, strict=True)
     )
     return self._logits(x[:, -1:])[:, 0], DecoderCache(layers=layers), aux

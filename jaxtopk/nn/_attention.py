@@ -48,7 +48,6 @@ from flax.nnx.module import first_from
 
 from jaxtopk.attention import KVCache
 from jaxtopk.attention import decode_attention
-from jaxtopk.attention._cache import appended
 from jaxtopk.nn._attention_fn import certified_attention
 from jaxtopk.nn._attention_fn import check_implementation
 from jaxtopk.nn._attention_fn import check_policy
@@ -457,10 +456,13 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     if self.dtype is not None:
       query = query.astype(self.dtype)
     # Under jit a full sequence writes nothing and its rows are invalid.
-    # Not donated (``appended``): the variable's old cache may be shared,
-    # e.g. by a clone of this module.
-    cache = appended(
-      cache, key, value, num_steps=jnp.where(full, 0, 1).astype(jnp.int32)
+    # Not donated: the variable's old cache may be shared, e.g. by a clone
+    # of this module or a state snapshot.
+    cache = cache.append(
+      key,
+      value,
+      num_steps=jnp.where(full, 0, 1).astype(jnp.int32),
+      donate=False,
     )
     self.kv_cache.set_value(cache)
     if mask is None:
