@@ -119,6 +119,29 @@ class AppendTest(parameterized.TestCase):
       cache.append(k.astype(jnp.int32), v)
     self.assertFalse(any(_deleted(cache)))
 
+  @parameterized.named_parameters(*KINDS)
+  def test_compiled_append_updates_in_place(self, kind):
+    # XLA's memory analysis of the donated append: every byte of the cache
+    # is aliased to the output (updated in place), temporaries are small;
+    # the copying append aliases nothing (it writes a new cache).
+    from jaxtopk.attention import _cache
+    from jaxtopk.attention import _index
+
+    cache = _empty(kind)
+    k, v = _kv(7, 2)
+    steps = jnp.full((B,), 2, jnp.int32)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(cache))
+    fns = dict(
+      cache=(_cache._append, _cache._update),
+      index=(_index._index_append, _index._index_update),
+    )[kind]
+    donated, copying = (
+      f.lower(cache, k, v, steps).compile().memory_analysis() for f in fns
+    )
+    self.assertEqual(donated.alias_size_in_bytes, nbytes)
+    self.assertLess(donated.temp_size_in_bytes, nbytes)
+    self.assertEqual(copying.alias_size_in_bytes, 0)
+
   def test_donation_leaves_other_arrays_alone(self):
     # Arrays the user passed in (lengths) or a rebuild read stay valid.
     k, v = _kv(4, S)
