@@ -18,6 +18,13 @@ each key's 8-bit code (THEORY 3.5, ``selection.key_codes``): the exponent
 and int8 components from which a decode step bounds every key's logit at a
 quarter of the bytes of the keys (float32), stored d-major so that the code
 products read each component row once; encoded once per appended step.
+
+``KVCache.create`` makes an empty cache, ``cache.append`` appends steps.
+The append donates the cache to a jitted update (``jax.jit`` with
+``donate_argnums``), so XLA writes the new steps and summaries into the
+cache's own buffers: O(new steps) per call in a plain Python loop, where a
+functional update would copy every buffer (O(max_len)). The old object's
+arrays are deleted; ``append(..., donate=False)`` keeps them (and copies).
 """
 
 import dataclasses
@@ -36,6 +43,8 @@ from jaxtopk.theory import BoxSummary
 @dataclasses.dataclass(frozen=True)
 class KVCache:
   """Keys, values and block summaries of a decode cache.
+
+  Make one with ``KVCache.create``; ``cache = cache.append(keys, values)``.
 
   Attributes:
     keys: ``[batch, kv_heads, max_len, head_dim]`` (cache dtype).

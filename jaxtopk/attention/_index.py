@@ -73,6 +73,10 @@ def norm_up(x) -> jax.Array:
 class IndexedKVCache:
   """Keys and values grouped by content, with per-group ball summaries.
 
+  Make one with ``IndexedKVCache.build`` (or ``from_cache``); append with
+  ``index = index.append(keys, values)`` (donating, as ``KVCache.append``);
+  re-cluster with ``index.rebuild()``.
+
   Shapes use ``b`` batch, ``hk`` kv heads, ``G`` groups, ``C`` group
   capacity (``group_size``), ``d`` head dim, ``dv`` value dim, ``n`` the
   capacity in positions (``max_len``).
