@@ -192,8 +192,8 @@ class IndexedKVCache:
       >>> import jax, jaxtopk
       >>> k = jax.random.normal(jax.random.key(0), (1, 300, 2, 16))
       >>> index = jaxtopk.IndexedKVCache.build(k, k, group_size=32)
-      >>> index.keys.shape  # 10 + 5 groups of 32 slots
-      (1, 2, 15, 32, 16)
+      >>> index.keys.shape  # ceil(300 / 32) + 10 clusters: 20 groups of 32
+      (1, 2, 20, 32, 16)
     """
     return _build_checked(
       keys,
