@@ -60,8 +60,8 @@ def bench(n, *, heads, head_dim, rho, repeats):
   k = jax.random.normal(kk, (1, n, heads, head_dim))
   v = jax.random.normal(kv, (1, n, heads, head_dim))
   q = jax.random.normal(kq, (1, 1, heads, head_dim))
-  cache = jaxtopk.init_kv_cache(1, n, heads, head_dim, block_size=64)
-  cache = jaxtopk.kv_cache_update(cache, k, v)
+  cache = jaxtopk.KVCache.create(1, n, heads, head_dim, block_size=64)
+  cache = cache.append(k, v)
   del k, v
   keys, values = cache.keys, cache.values  # [1, h, n, d] head-major
   scale = head_dim**-0.5

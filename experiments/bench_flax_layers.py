@@ -140,7 +140,7 @@ def _fill_cache(layer, x, length):
   if isinstance(layer, topk_nn.CertifiedTopKAttention):
     layer.init_cache(x.shape)
     cache = layer.kv_cache.get_value()
-    layer.kv_cache.set_value(jaxtopk.kv_cache_update(cache, key, value))
+    layer.kv_cache.set_value(cache.append(key, value))
   else:
     layer.init_cache(x.shape)
     layer.cached_key[...] = layer.cached_key[...].at[:, :length].set(key)

@@ -339,11 +339,10 @@ def _kv(cache):
   h, n, d = cache.keys.shape
   bs = 64
   max_len = -(-n // bs) * bs
-  kv = jaxtopk.init_kv_cache(
+  kv = jaxtopk.KVCache.create(
     1, max_len, h, d, block_size=bs, value_dim=cache.values.shape[-1]
   )
-  return jaxtopk.kv_cache_update(
-    kv,
+  return kv.append(
     jnp.asarray(np.swapaxes(cache.keys, 0, 1))[None],
     jnp.asarray(np.swapaxes(cache.values, 0, 1))[None],
   )
@@ -436,7 +435,7 @@ def window_library_rows(cache, config, writer):
   """``jaxtopk.certify_selection`` of the windows on a content index of the
   cache (ball bounds alone, and with the codes: the library's default)."""
   h, n, d = cache.keys.shape
-  index = jaxtopk.build_kv_index(
+  index = jaxtopk.IndexedKVCache.build(
     jnp.asarray(np.swapaxes(cache.keys, 0, 1))[None],
     jnp.asarray(np.swapaxes(cache.values, 0, 1))[None],
     group_size=config.window_group_size,

@@ -3,7 +3,8 @@ r"""Certified KV retrieval: keys read by searches over a content index.
 THEORY 3.3, 6.2, 6.3. For each cache (experiments/_kv_caches:
 (a) MiniLM over many real passages, (b) the native Top-k decoder's own
 caches, (c) clustered and local-window synthetic caches), the keys are
-indexed by content (``jaxtopk.build_kv_index``) and every decode query runs
+indexed by content (``jaxtopk.IndexedKVCache.build``) and every decode query
+runs
 
 - ``delta``: Delta-Search over the groups (``jaxtopk.decode_attention`` with
   ``Certified(eps, 'delta')`` on the index);
@@ -20,7 +21,7 @@ fewest keys any certified method must score). Then
   first ``window_sinks`` positions plus the last W), certified tv_bound
   next to the true tau, and ``grow_selection`` from the window to eps;
 - ``update``: an index built on the first half of a cache and grown by
-  ``kv_index_update`` one step at a time, vs a fresh build and a rebuild;
+  ``IndexedKVCache.append`` one step at a time, vs a fresh build and a rebuild;
 - ``timing``: decode wall time of one query per head, ours vs the logits
   floor (the q.k einsum over the head-major cache), dense decode and the
   position-block Delta-Search, round robin in one run, with the load.
@@ -73,7 +74,7 @@ def _build(cache, group_size, config, k=None, v=None, **kw):
   if k is None:
     k, v, _ = _as_jax(cache)
   tick = time.perf_counter()
-  index = jaxtopk.build_kv_index(
+  index = jaxtopk.IndexedKVCache.build(
     k,
     v,
     group_size=group_size,
@@ -160,10 +161,10 @@ def _pos_cache(cache, block_size):
   k, v, _ = _as_jax(cache)
   heads, n, d = cache.keys.shape
   n_cap = -(-n // block_size) * block_size
-  kv = jaxtopk.init_kv_cache(
+  kv = jaxtopk.KVCache.create(
     1, n_cap, heads, d, block_size=block_size, value_dim=v.shape[-1]
   )
-  return jaxtopk.kv_cache_update(kv, k, v)
+  return kv.append(k, v)
 
 
 def _pos_search(cache, kv, eps, block_size):
@@ -309,11 +310,11 @@ def measure_update(cache, group_size, config, writer):
   n0 = max(1, int(n * config.update_fraction))
   grown, _ = _build(cache, group_size, config, k[:, :n0], v[:, :n0], max_len=n)
   tick = time.perf_counter()
-  grown = jaxtopk.kv_index_update(grown, k[:, n0:], v[:, n0:])
+  grown = grown.append(k[:, n0:], v[:, n0:])
   jax.block_until_ready(grown)
   append_s = time.perf_counter() - tick
   fresh, _ = _build(cache, group_size, config)
-  rebuilt = jaxtopk.rebuild_kv_index(grown, seed=config.seed)
+  rebuilt = grown.rebuild(seed=config.seed)
   pol = jaxtopk.Certified(0.05, "delta", block_size=group_size)
   rec = dict(cache=cache.name, n=n, built_on=n0, append_s=append_s)
   for name, idx in (("grown", grown), ("fresh", fresh), ("rebuilt", rebuilt)):

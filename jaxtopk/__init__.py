@@ -40,4 +40,4 @@ from jaxtopk.selection import UnsupportedPolicyError
 from jaxtopk.selection import certified_search
 from jaxtopk.selection import select
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -18,9 +18,17 @@ each key's 8-bit code (THEORY 3.5, ``selection.key_codes``): the exponent
 and int8 components from which a decode step bounds every key's logit at a
 quarter of the bytes of the keys (float32), stored d-major so that the code
 products read each component row once; encoded once per appended step.
+
+``KVCache.create`` makes an empty cache, ``cache.append`` appends steps.
+The append donates the cache to a jitted update (``jax.jit`` with
+``donate_argnums``), so XLA writes the new steps and summaries into the
+cache's own buffers: O(new steps) per call in a plain Python loop, where a
+functional update would copy every buffer (O(max_len)). The old object's
+arrays are deleted; ``append(..., donate=False)`` keeps them (and copies).
 """
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +43,8 @@ from jaxtopk.theory import BoxSummary
 @dataclasses.dataclass(frozen=True)
 class KVCache:
   """Keys, values and block summaries of a decode cache.
+
+  Make one with ``KVCache.create``; ``cache = cache.append(keys, values)``.
 
   Attributes:
     keys: ``[batch, kv_heads, max_len, head_dim]`` (cache dtype).
@@ -81,6 +91,103 @@ class KVCache:
   key_exponents: jax.Array
   block_size: int = dataclasses.field(metadata=dict(static=True))
 
+  @classmethod
+  def create(
+    cls,
+    batch: int,
+    max_len: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    block_size: int = 64,
+    dtype=jnp.float32,
+    value_dim: int | None = None,
+  ) -> "KVCache":
+    """An empty cache (``length`` 0 in every sequence).
+
+    Args:
+      batch: sequences.
+      max_len: capacity in positions; a multiple of ``block_size``.
+      kv_heads: key/value heads.
+      head_dim: key head dimension.
+      block_size: positions per summary block (static).
+      dtype: storage dtype of keys and values (summaries are float32, or
+        float64 for float64).
+      value_dim: value head dimension, default ``head_dim``.
+
+    Returns:
+      A KVCache with length 0.
+
+    Raises:
+      ValueError: for non-positive sizes (named) or ``max_len`` not a
+        multiple of ``block_size``.
+
+    Example:
+      >>> import jax, jaxtopk
+      >>> cache = jaxtopk.KVCache.create(2, 256, 4, 32, block_size=64)
+      >>> k = jax.random.normal(jax.random.key(0), (2, 5, 4, 32))
+      >>> cache = cache.append(k, k)  # the old ``cache`` is gone: rebind it
+      >>> cache.length.tolist()
+      [5, 5]
+    """
+    return _create(
+      batch,
+      max_len,
+      kv_heads,
+      head_dim,
+      block_size=block_size,
+      dtype=dtype,
+      value_dim=value_dim,
+    )
+
+  def append(
+    self, keys, values, *, num_steps=None, donate: bool = True
+  ) -> "KVCache":
+    """Appends ``steps`` positions to every sequence; O(steps) work.
+
+    Keys and values are written at positions ``length .. length + steps -
+    1`` of each sequence (sequences may have different lengths), and the
+    block boxes, value norms, key codes and key summaries are updated by
+    scatter-min/max and running maxima over the new steps only (no
+    re-scan). Positions past ``max_len`` are dropped and ``length``
+    saturates at ``max_len``.
+
+    The append DONATES this cache: its buffers are updated in place and
+    become the returned cache's, so a step costs O(steps), not a copy of
+    the cache. This object must not be used afterwards (rebind:
+    ``cache = cache.append(k, v)``); using it raises jax's deleted-array
+    RuntimeError (from ``append`` itself, one naming it), never a wrong
+    result. To keep it, append to a copy (``jax.tree.map(jnp.copy,
+    cache).append(k, v)``) or pass ``donate=False``. Under ``jax.jit``
+    nothing is donated (the caller's jit decides).
+
+    Args:
+      keys: ``[batch, steps, kv_heads, head_dim]`` (jax.nn layout).
+      values: ``[batch, steps, kv_heads, head_dim_v]``.
+      num_steps: optional ``[batch]`` integers (or one integer for every
+        sequence), how many of the ``steps`` are real for each sequence
+        (ragged appends, e.g. a right-padded prefill of prompts of
+        different lengths); the rest are not written. Default: all.
+        Concrete values must lie in [0, steps]; traced ones (under jit) are
+        clipped to it.
+      donate: False leaves this cache valid and copies it (O(max_len) per
+        call outside jit): for a cache that something else still holds (a
+        Flax variable that a cloned module shares, a model's cache decoded
+        under several policies).
+
+    Returns:
+      The updated KVCache.
+
+    Raises:
+      TypeError: keys or values not real floating (complex keys are not
+        cast to real), num_steps not integers.
+      ValueError: if keys/values shapes do not match the cache, or
+        num_steps is not ``[batch]`` / a scalar or out of range.
+      RuntimeError: this cache was donated to an earlier append.
+    """
+    keys, values, num_steps = _checked(self, keys, values, num_steps, "append")
+    return (_append if donate else _update)(self, keys, values, num_steps)
+
   @property
   def max_len(self) -> int:
     return self.keys.shape[2]
@@ -111,50 +218,36 @@ class KVCache:
     )
 
 
-def init_kv_cache(
-  batch: int,
-  max_len: int,
-  num_kv_heads: int,
-  head_dim: int,
+def _create(
+  batch,
+  max_len,
+  kv_heads,
+  head_dim,
   *,
-  block_size: int = 64,
-  dtype=jnp.float32,
-  value_dim: int | None = None,
+  block_size,
+  dtype,
+  value_dim,
 ) -> KVCache:
-  """An empty cache.
-
-  Args:
-    batch: batch size.
-    max_len: capacity in positions; a multiple of ``block_size``.
-    num_kv_heads: key/value heads.
-    head_dim: key head dimension.
-    block_size: positions per summary block (static).
-    dtype: storage dtype of keys and values (summaries are float32, or
-      float64 for float64).
-    value_dim: value head dimension, default ``head_dim``.
-
-  Returns:
-    A KVCache with length 0.
-
-  Raises:
-    ValueError: for non-positive sizes or ``max_len`` not a multiple of
-      ``block_size``.
-  """
   for name, val in (
     ("batch", batch),
     ("max_len", max_len),
-    ("num_kv_heads", num_kv_heads),
+    ("kv_heads", kv_heads),
     ("head_dim", head_dim),
     ("block_size", block_size),
   ):
-    if not (isinstance(val, int) and val >= 1):
+    if isinstance(val, bool) or not (isinstance(val, int) and val >= 1):
       raise ValueError(f"{name}={val!r} must be a positive int")
+  if value_dim is not None and (
+    isinstance(value_dim, bool)
+    or not (isinstance(value_dim, int) and value_dim >= 1)
+  ):
+    raise ValueError(f"{value_dim=} must be a positive int or None")
   if max_len % block_size:
     raise ValueError(f"{max_len=} must be a multiple of {block_size=}")
   dv = head_dim if value_dim is None else value_dim
   sdt = core.compute_dtype(dtype)
   nb = max_len // block_size
-  bh = (batch, num_kv_heads)
+  bh = (batch, kv_heads)
   return KVCache(
     keys=jnp.zeros((*bh, max_len, head_dim), dtype),
     values=jnp.zeros((*bh, max_len, dv), dtype),
@@ -173,58 +266,110 @@ def init_kv_cache(
   )
 
 
-def kv_cache_update(cache: KVCache, key, value, *, num_steps=None) -> KVCache:
-  """Appends ``steps`` positions to every batch row of the cache.
+def check_live(cache, method: str) -> None:
+  """Refuses a cache whose buffers an earlier ``append`` donated.
 
-  Keys and values are written at positions ``length .. length + steps - 1``
-  of each row (rows may have different lengths), and the block boxes, value
-  norms and key summaries are updated by scatter-min/max and running maxima:
-  O(steps) work, no re-scan.
-  Positions past ``max_len`` are dropped and ``length`` saturates at
-  ``max_len``.
-
-  Args:
-    cache: a KVCache.
-    key: ``[batch, steps, kv_heads, head_dim]`` (jax.nn layout).
-    value: ``[batch, steps, kv_heads, head_dim_v]``.
-    num_steps: optional ``[batch]`` integers (or one integer for every row),
-      how many of the ``steps`` are real for each row (e.g. a right-padded
-      prefill of prompts of different lengths); the rest are not written.
-      Default: all. Concrete values must lie in [0, steps]; traced ones
-      (under jit) are clipped to it.
-
-  Returns:
-    The updated KVCache.
+  Without this check jax raises its own deleted-buffer error from deep
+  inside the call; this one names the method and what to do instead.
 
   Raises:
-    TypeError: key or value not real floating (complex keys are not cast to
-      real), num_steps not integers.
-    ValueError: if key/value shapes do not match the cache, or num_steps is
-      not ``[batch]`` / a scalar or out of range.
+    RuntimeError: some array of ``cache`` has been deleted or donated.
   """
-  key = checks.check_array(key, "key")
-  value = checks.check_array(value, "value")
-  b, h, _, d = cache.keys.shape
-  dv = cache.values.shape[-1]
-  if key.ndim != 4 or key.shape[0] != b or key.shape[2:] != (h, d):
+  for leaf in jax.tree.leaves(cache):
+    if (
+      isinstance(leaf, jax.Array)
+      and not isinstance(leaf, jax.core.Tracer)
+      and leaf.is_deleted()
+    ):
+      raise RuntimeError(
+        f"{type(cache).__name__}.{method}: this cache's arrays have been"
+        " deleted (donated to an earlier append, whose returned cache"
+        " replaces it: write `cache = cache.append(...)` and use only the"
+        " returned cache; copy it first, jax.tree.map(jnp.copy, cache), to"
+        " keep both)"
+      )
+
+
+def check_append(keys, values, batch, kv_heads, head_dim, value_dim, num_steps):
+  """Checks an append's arguments against the cache's sizes.
+
+  Returns:
+    ``(keys, values, num_steps)``, num_steps as ``[batch]`` int32.
+
+  Raises:
+    TypeError: keys or values not real floating, num_steps not integers.
+    ValueError: shapes that do not match the cache, num_steps not
+      ``[batch]`` / a scalar or out of [0, steps].
+  """
+  keys = checks.check_array(keys, "keys")
+  values = checks.check_array(values, "values")
+  b, h, d, dv = batch, kv_heads, head_dim, value_dim
+  if keys.ndim != 4 or keys.shape[0] != b or keys.shape[2:] != (h, d):
     raise ValueError(
-      f"key must be [batch={b}, steps, kv_heads={h}, head_dim={d}]; got"
-      f" {key.shape=}"
+      f"keys must be [batch={b}, steps, kv_heads={h}, head_dim={d}]; got"
+      f" {keys.shape=}"
     )
-  if value.shape != key.shape[:3] + (dv,):
+  if values.shape != keys.shape[:3] + (dv,):
     raise ValueError(
-      f"value must be {key.shape[:3] + (dv,)}; got {value.shape=}"
+      f"values must be {keys.shape[:3] + (dv,)}; got {values.shape=}"
     )
-  steps = key.shape[1]
+  steps = keys.shape[1]
   if num_steps is None:
     num_steps = jnp.full((b,), steps, jnp.int32)
   else:
     num_steps = checks.check_counts(num_steps, "num_steps", b, steps)
-  return _update(cache, key, value, num_steps)
+  return keys, values, num_steps
 
 
-@jax.jit
-def _update(cache, key, value, num_steps):
+def _checked(cache: KVCache, keys, values, num_steps, method: str):
+  check_live(cache, method)
+  b, h, _, d = cache.keys.shape
+  return check_append(keys, values, b, h, d, cache.values.shape[-1], num_steps)
+
+
+def init_kv_cache(
+  batch: int,
+  max_len: int,
+  num_kv_heads: int,
+  head_dim: int,
+  *,
+  block_size: int = 64,
+  dtype=jnp.float32,
+  value_dim: int | None = None,
+) -> KVCache:
+  """Deprecated: ``jaxtopk.KVCache.create`` (same arguments)."""
+  warnings.warn(
+    "jaxtopk.init_kv_cache is deprecated; use jaxtopk.KVCache.create",
+    DeprecationWarning,
+    stacklevel=2,
+  )
+  return KVCache.create(
+    batch,
+    max_len,
+    num_kv_heads,
+    head_dim,
+    block_size=block_size,
+    dtype=dtype,
+    value_dim=value_dim,
+  )
+
+
+def kv_cache_update(cache: KVCache, key, value, *, num_steps=None) -> KVCache:
+  """Deprecated: ``cache.append(key, value, num_steps=...)``.
+
+  Unlike ``KVCache.append`` it does not donate ``cache`` (it stays valid,
+  and every call copies it, as before).
+  """
+  warnings.warn(
+    "jaxtopk.kv_cache_update is deprecated; use jaxtopk.KVCache.append"
+    " (cache = cache.append(keys, values))",
+    DeprecationWarning,
+    stacklevel=2,
+  )
+  return cache.append(key, value, num_steps=num_steps, donate=False)
+
+
+def _update_impl(cache, key, value, num_steps):
   b = cache.keys.shape[0]
   steps = key.shape[1]
   t = jnp.arange(steps, dtype=jnp.int32)
@@ -274,6 +419,14 @@ def _update(cache, key, value, num_steps):
     key_codes=codes,
     key_exponents=expo,
   )
+
+
+# The same update twice: ``_update`` leaves its input cache valid (XLA
+# copies every buffer it writes), ``_append`` donates it, so that XLA
+# updates the buffers in place and an append costs O(steps), not
+# O(max_len) (on CPU too).
+_update = jax.jit(_update_impl)
+_append = jax.jit(_update_impl, donate_argnums=0)
 
 
 def _nan_max(a, b):

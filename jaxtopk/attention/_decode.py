@@ -924,7 +924,7 @@ def decode_attention(
   """Top-k attention of one new query per sequence over a KVCache.
 
   THEORY 8.1 and 6.5. Attends to the cache's filled positions (append the
-  current step with ``kv_cache_update`` first). Fixed-count policies keep
+  current step with ``KVCache.append`` first). Fixed-count policies keep
   the ``topk`` largest logits (Ratio and PowerLaw count the filled
   positions) and gather only the kept values; Certified 'exact' keeps the
   fewest keys meeting eps (up to one finest histogram bin, see

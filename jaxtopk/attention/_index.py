@@ -7,7 +7,7 @@ Blocks of consecutive positions have loose summaries on real keys (a block's
 bound sits ~5 logits above its keys on MiniLM, RESULTS 5): neighbouring
 tokens are not close in key space. Here keys are grouped by CONTENT:
 
-- Build (``build_kv_index``): Lloyd k-means in key space (Euclidean, the
+- Build (``IndexedKVCache.build``): Lloyd k-means in key space (Euclidean, the
   metric of the ball bound) into ``num_clusters`` clusters, then every
   cluster is cut into groups of at most ``group_size`` keys along the
   direction from its centre to its farthest key (so a big cluster becomes
@@ -24,7 +24,7 @@ tokens are not close in key space. Here keys are grouped by CONTENT:
   covered), ||c|| rounded up, the member count and the largest value norm.
   The ball bound scale (q.c + ||q|| r) >= scale q.k_i (Cauchy-Schwarz) is
   computed, with its rounding, in ``_index_search.group_upper_bounds``.
-- Append (``kv_index_update``, one decode step): a new key joins the
+- Append (``IndexedKVCache.append``, one decode step): a new key joins the
   nearest non-full group (its centre is NOT moved, its radius grows to
   cover the key: summaries stay sound with O(groups * head_dim) work and no
   rebuild). If the key lies farther than ``OPEN_FACTOR`` times that
@@ -35,7 +35,7 @@ tokens are not close in key space. Here keys are grouped by CONTENT:
   belongs to it, while another cluster's keys lie several radii away).
   Keys that had to enlarge a ball beyond that threshold (no spare group
   left) are counted in ``spilled``;
-  ``rebuild_kv_index`` re-clusters everything (the caller decides when,
+  ``IndexedKVCache.rebuild`` re-clusters everything (the caller decides when,
   e.g. every few thousand steps or when ``spilled / length`` passes a
   threshold; BUILD_NOTES measures the cost of not rebuilding).
 
@@ -44,6 +44,7 @@ Masked or unfilled positions are simply absent from every group.
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,8 @@ import numpy as np
 
 from jaxtopk.attention import checks
 from jaxtopk.attention._cache import KVCache
+from jaxtopk.attention._cache import check_append
+from jaxtopk.attention._cache import check_live
 from jaxtopk.selection import core
 from jaxtopk.selection import key_codes
 
@@ -69,6 +72,10 @@ def norm_up(x) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class IndexedKVCache:
   """Keys and values grouped by content, with per-group ball summaries.
+
+  Make one with ``IndexedKVCache.build`` (or ``from_cache``); append with
+  ``index = index.append(keys, values)`` (donating, as ``KVCache.append``);
+  re-cluster with ``index.rebuild()``.
 
   Shapes use ``b`` batch, ``hk`` kv heads, ``G`` groups, ``C`` group
   capacity (``group_size``), ``d`` head dim, ``dv`` value dim, ``n`` the
@@ -129,6 +136,140 @@ class IndexedKVCache:
   key_exponents: jax.Array
   group_size: int = dataclasses.field(metadata=dict(static=True))
   groups_per_round: int = dataclasses.field(metadata=dict(static=True))
+
+  @classmethod
+  def build(
+    cls,
+    keys,
+    values,
+    *,
+    lengths=None,
+    max_len: int | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    num_clusters: int | None = None,
+    kmeans_iters: int = 8,
+    groups_per_round: int | None = None,
+    seed: int = 0,
+  ) -> "IndexedKVCache":
+    """Groups keys by content (k-means, then split) and indexes them.
+
+    Args:
+      keys: ``[batch, n, kv_heads, head_dim]`` (jax.nn layout; transposed
+        to head-major once here).
+      values: ``[batch, n, kv_heads, head_dim_v]``.
+      lengths: optional ``[batch]`` integers (or one for every row), real
+        positions per row (the first ``lengths[b]``), in [0, n]; default
+        all ``n`` (traced lengths are clipped to [0, n]).
+      max_len: capacity in positions (>= n), room for ``append``; default
+        ``n``.
+      group_size: capacity C of a group (static), the unit the searches
+        read.
+      num_clusters: k-means clusters (static), default ``ceil(max_len /
+        C)`` (clusters of about C keys); the index holds ``ceil(max_len /
+        C) + num_clusters`` groups, i.e. ``1 + num_clusters C / max_len``
+        times the positions' memory (2x by default). Fewer clusters save
+        memory but merge clusters into looser groups.
+      kmeans_iters: Lloyd iterations (static), on a sample of ``16 *
+        num_clusters`` evenly spaced keys; then every key is assigned.
+      groups_per_round: groups each search round scores (static), default
+        ``max(1, 2**17 // (group_size * head_dim))``: ~131K multiply-adds
+        a round (1,024 keys at head_dim 128), enough to amortise a round's
+        fixed cost, small enough to keep the gathered keys in cache (on
+        XLA:CPU one gather of a quarter of a 65,536-key cache took 3x the
+        whole logits einsum; BUILD_NOTES).
+      seed: seed of the k-means++ seeding (static).
+
+    Returns:
+      An IndexedKVCache holding the first ``lengths`` positions of each
+      row.
+
+    Raises:
+      TypeError: keys or values not real floating (int, bool and complex
+        are refused by name), lengths not integers.
+      ValueError: on bad shapes or sizes, lengths out of [0, n].
+
+    Example:
+      >>> import jax, jaxtopk
+      >>> k = jax.random.normal(jax.random.key(0), (1, 300, 2, 16))
+      >>> index = jaxtopk.IndexedKVCache.build(k, k, group_size=32)
+      >>> index.keys.shape  # ceil(300 / 32) + 10 clusters: 20 groups of 32
+      (1, 2, 20, 32, 16)
+    """
+    return _build_checked(
+      keys,
+      values,
+      lengths=lengths,
+      max_len=max_len,
+      group_size=group_size,
+      num_clusters=num_clusters,
+      kmeans_iters=kmeans_iters,
+      groups_per_round=groups_per_round,
+      seed=seed,
+    )
+
+  @classmethod
+  def from_cache(cls, cache: KVCache, **kwargs) -> "IndexedKVCache":
+    """``IndexedKVCache.build`` over a ``KVCache``'s filled positions.
+
+    Keeps its ``max_len``; ``kwargs`` as ``build``. ``cache`` stays valid.
+    """
+    check_live(cache, "from_cache")
+    keys = jnp.swapaxes(cache.keys, 1, 2)  # back to [b, n, hk, d]
+    values = jnp.swapaxes(cache.values, 1, 2)
+    kwargs.setdefault("max_len", cache.max_len)
+    return cls.build(keys, values, lengths=cache.length, **kwargs)
+
+  def append(
+    self, keys, values, *, num_steps=None, donate: bool = True
+  ) -> "IndexedKVCache":
+    """Appends ``steps`` positions to every batch row (a decode step, ...).
+
+    Each key joins its nearest non-full group (or opens a spare group when
+    it lies outside every ball; see the module docstring); the group's
+    radius, value norm and the index's key maxima grow to cover it, so
+    every summary stays sound. O(steps * groups * head_dim) work per head
+    (the nearest group), no rebuild and no copy of the index. Positions
+    past ``max_len`` are dropped and ``length`` saturates.
+
+    The append DONATES this index, as ``KVCache.append``: its buffers are
+    updated in place and become the returned index's. This object must not
+    be used afterwards (rebind: ``index = index.append(k, v)``); using it
+    raises jax's deleted-array RuntimeError, never a wrong result. To keep
+    it, append to a copy (``jax.tree.map(jnp.copy, index)``) or pass
+    ``donate=False``. Under ``jax.jit`` nothing is donated (the caller's
+    jit decides).
+
+    Args:
+      keys: ``[batch, steps, kv_heads, head_dim]`` (jax.nn layout).
+      values: ``[batch, steps, kv_heads, head_dim_v]``.
+      num_steps: optional ``[batch]`` integers (or one for every row), how
+        many of the steps are real (ragged appends, as ``KVCache.append``:
+        in [0, steps] when concrete, clipped when traced).
+      donate: False leaves this index valid and copies it (as
+        ``KVCache.append``).
+
+    Returns:
+      The updated IndexedKVCache.
+
+    Raises:
+      TypeError: keys or values not real floating, num_steps not integers.
+      ValueError: if keys/values shapes do not match the index, or
+        num_steps is not ``[batch]`` / a scalar or out of range.
+      RuntimeError: this index was donated to an earlier append.
+    """
+    keys, values, num_steps = _checked(self, keys, values, num_steps)
+    update = _index_append if donate else _index_update
+    return update(self, keys, values, num_steps)
+
+  def rebuild(self, **kwargs) -> "IndexedKVCache":
+    """Re-clusters every stored key from scratch (same capacity).
+
+    ``kwargs`` override ``build``'s options (default: this index's group
+    size and rounds, ``num_clusters`` from the group count). This index
+    stays valid.
+    """
+    check_live(self, "rebuild")
+    return _rebuild(self, **kwargs)
 
   @property
   def max_len(self) -> int:
@@ -462,60 +603,18 @@ def _check_int(name, val, lo=1):
     raise ValueError(f"{name}={val!r} must be an int >= {lo}")
 
 
-def build_kv_index(
+def _build_checked(
   keys,
   values,
   *,
-  lengths=None,
-  max_len: int | None = None,
-  group_size: int = DEFAULT_GROUP_SIZE,
-  num_clusters: int | None = None,
-  kmeans_iters: int = 8,
-  groups_per_round: int | None = None,
-  seed: int = 0,
+  lengths,
+  max_len,
+  group_size,
+  num_clusters,
+  kmeans_iters,
+  groups_per_round,
+  seed,
 ) -> IndexedKVCache:
-  """Groups a cache's keys by content (k-means, then split) and indexes it.
-
-  Args:
-    keys: ``[batch, n, kv_heads, head_dim]`` (jax.nn layout; transposed to
-      head-major once here).
-    values: ``[batch, n, kv_heads, head_dim_v]``.
-    lengths: optional ``[batch]`` integers (or one for every row), real
-      positions per row (the first ``lengths[b]``), in [0, n]; default all
-      ``n`` (traced lengths are clipped to [0, n]).
-    max_len: capacity in positions (>= n), room for ``kv_index_update``;
-      default ``n``.
-    group_size: capacity C of a group (static), the unit the searches read.
-    num_clusters: k-means clusters (static), default ``ceil(max_len / C)``
-      (clusters of about C keys); the index holds ``ceil(max_len / C) +
-      num_clusters`` groups, i.e. ``1 + num_clusters C / max_len`` times the
-      positions' memory (2x by default). Fewer clusters save memory but
-      merge clusters into looser groups.
-    kmeans_iters: Lloyd iterations (static), on a sample of ``16 *
-      num_clusters`` evenly spaced keys; then every key is assigned.
-    groups_per_round: groups each search round scores (static), default
-      ``max(1, 2**17 // (group_size * head_dim))``: ~131K multiply-adds a
-      round (1,024 keys at head_dim 128), enough to amortise a round's fixed
-      cost, small enough to keep the gathered keys in cache (on XLA:CPU one
-      gather of a quarter of a 65,536-key cache took 3x the whole logits
-      einsum; BUILD_NOTES).
-    seed: seed of the k-means++ seeding (static).
-
-  Returns:
-    An IndexedKVCache holding the first ``lengths`` positions of each row.
-
-  Raises:
-    TypeError: keys or values not real floating (int, bool and complex are
-      refused by name), lengths not integers.
-    ValueError: on bad shapes or sizes, lengths out of [0, n].
-
-  Example:
-    >>> import jax, jaxtopk
-    >>> k = jax.random.normal(jax.random.key(0), (1, 300, 2, 16))
-    >>> index = jaxtopk.build_kv_index(k, k, group_size=32)
-    >>> index.keys.shape  # 10 + 5 groups of 32 slots
-    (1, 2, 15, 32, 16)
-  """
   keys = checks.check_array(keys, "keys")
   values = checks.check_array(values, "values")
   if keys.ndim != 4:
@@ -561,23 +660,7 @@ def build_kv_index(
   )
 
 
-def kv_index_from_cache(cache: KVCache, **kwargs) -> IndexedKVCache:
-  """``build_kv_index`` over a ``KVCache``'s filled positions.
-
-  Keeps its ``max_len``; ``kwargs`` as ``build_kv_index``.
-  """
-  keys = jnp.swapaxes(cache.keys, 1, 2)  # back to [b, n, hk, d]
-  values = jnp.swapaxes(cache.values, 1, 2)
-  kwargs.setdefault("max_len", cache.max_len)
-  return build_kv_index(keys, values, lengths=cache.length, **kwargs)
-
-
-def rebuild_kv_index(index: IndexedKVCache, **kwargs) -> IndexedKVCache:
-  """Re-clusters every stored key from scratch (same capacity).
-
-  ``kwargs`` override ``build_kv_index``'s options (default: the index's
-  group size and rounds, ``num_clusters`` from the group count).
-  """
+def _rebuild(index: IndexedKVCache, **kwargs) -> IndexedKVCache:
   b, hk, g, c, d = index.keys.shape
   n = index.max_len
   pos = index.position.reshape(b, hk, g * c)
@@ -594,7 +677,7 @@ def rebuild_kv_index(index: IndexedKVCache, **kwargs) -> IndexedKVCache:
   kwargs.setdefault("group_size", index.group_size)
   kwargs.setdefault("groups_per_round", index.groups_per_round)
   kwargs.setdefault("num_clusters", g - (-(-n // index.group_size)))
-  return build_kv_index(
+  return IndexedKVCache.build(
     back(index.keys),
     back(index.values),
     lengths=index.length,
@@ -673,56 +756,51 @@ _ROW_FIELDS = (
 )
 
 
+def _checked(index: IndexedKVCache, keys, values, num_steps):
+  check_live(index, "append")
+  b, hk, _, _, d = index.keys.shape
+  return check_append(keys, values, b, hk, d, index.values.shape[-1], num_steps)
+
+
+def build_kv_index(keys, values, **kwargs) -> IndexedKVCache:
+  """Deprecated: ``jaxtopk.IndexedKVCache.build`` (same arguments)."""
+  _deprecated("build_kv_index", "IndexedKVCache.build")
+  return IndexedKVCache.build(keys, values, **kwargs)
+
+
+def kv_index_from_cache(cache: KVCache, **kwargs) -> IndexedKVCache:
+  """Deprecated: ``jaxtopk.IndexedKVCache.from_cache`` (same arguments)."""
+  _deprecated("kv_index_from_cache", "IndexedKVCache.from_cache")
+  return IndexedKVCache.from_cache(cache, **kwargs)
+
+
+def rebuild_kv_index(index: IndexedKVCache, **kwargs) -> IndexedKVCache:
+  """Deprecated: ``index.rebuild(**kwargs)``."""
+  _deprecated("rebuild_kv_index", "IndexedKVCache.rebuild")
+  return index.rebuild(**kwargs)
+
+
 def kv_index_update(
   index: IndexedKVCache, key, value, *, num_steps=None
 ) -> IndexedKVCache:
-  """Appends ``steps`` positions to every batch row (one decode step, ...).
+  """Deprecated: ``index.append(key, value, num_steps=...)``.
 
-  Each key joins its nearest non-full group (or opens a spare group when it
-  lies outside every ball; see the module docstring); the group's radius,
-  value norm and the index's key maxima grow to cover it, so every summary
-  stays sound. O(steps * groups * head_dim) work per head, no rebuild.
-  Positions past ``max_len`` are dropped and ``length`` saturates.
-
-  Args:
-    index: an IndexedKVCache.
-    key: ``[batch, steps, kv_heads, head_dim]`` (jax.nn layout).
-    value: ``[batch, steps, kv_heads, head_dim_v]``.
-    num_steps: optional ``[batch]`` integers (or one for every row), how
-      many of the steps are real (as ``kv_cache_update``: in [0, steps]
-      when concrete, clipped when traced).
-
-  Returns:
-    The updated IndexedKVCache.
-
-  Raises:
-    TypeError: key or value not real floating, num_steps not integers.
-    ValueError: if key/value shapes do not match the index, or num_steps
-      is not ``[batch]`` / a scalar or out of range.
+  Unlike ``IndexedKVCache.append`` it does not donate ``index`` (it stays
+  valid, and every call copies it, as before).
   """
-  key = checks.check_array(key, "key")
-  value = checks.check_array(value, "value")
-  b, hk, _, c_sz, d = index.keys.shape
-  dv = index.values.shape[-1]
-  if key.ndim != 4 or key.shape[0] != b or key.shape[2:] != (hk, d):
-    raise ValueError(
-      f"key must be [batch={b}, steps, kv_heads={hk}, head_dim={d}]; got"
-      f" {key.shape=}"
-    )
-  if value.shape != key.shape[:3] + (dv,):
-    raise ValueError(
-      f"value must be {key.shape[:3] + (dv,)}; got {value.shape=}"
-    )
-  steps = key.shape[1]
-  if num_steps is None:
-    num_steps = jnp.full((b,), steps, jnp.int32)
-  else:
-    num_steps = checks.check_counts(num_steps, "num_steps", b, steps)
-  return _index_update(index, key, value, num_steps)
+  _deprecated("kv_index_update", "IndexedKVCache.append")
+  return index.append(key, value, num_steps=num_steps, donate=False)
 
 
-@jax.jit
-def _index_update(index, key, value, num_steps):
+def _deprecated(old: str, new: str) -> None:
+  warnings.warn(
+    f"jaxtopk.{old} is deprecated; use jaxtopk.{new}",
+    DeprecationWarning,
+    stacklevel=3,
+  )
+
+
+def _index_update_impl(index, key, value, num_steps):
   b, hk, _, c_sz, d = index.keys.shape
   steps = key.shape[1]
   key = key.astype(index.keys.dtype)
@@ -756,3 +834,9 @@ def _index_update(index, key, value, num_steps):
   return dataclasses.replace(
     index, **rows, length=length, key_codes=kc, key_exponents=ke
   )
+
+
+# As ``_cache._update`` / ``_cache._append``: the second donates the index
+# and updates it in place (O(steps), no copy of the index).
+_index_update = jax.jit(_index_update_impl)
+_index_append = jax.jit(_index_update_impl, donate_argnums=0)

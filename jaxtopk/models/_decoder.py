@@ -37,8 +37,6 @@ from jaxtyping import Float
 from jaxtyping import Int
 
 from jaxtopk.attention import KVCache
-from jaxtopk.attention import init_kv_cache
-from jaxtopk.attention import kv_cache_update
 from jaxtopk.models._decoder_attention import as_attention
 from jaxtopk.models._decoder_attention import cache_block_size
 from jaxtopk.models._decoder_config import DecoderConfig
@@ -164,7 +162,7 @@ class _Block(nnx.Module):
   def step(self, x, positions, inv_freq, cache, *, attention, rng):
     """One token ``x`` ``[b, 1, dim]``: append to ``cache``, attend over it."""
     q, k, v = self.qkv(x, positions, inv_freq)  # [b, 1, h(k), d]
-    cache = kv_cache_update(cache, k, v)
+    cache = cache.append(k, v, donate=False)  # the caller's stays valid
     out, aux = attention.decode(q, cache, rng=rng)
     return self._finish(x, out.astype(x.dtype)), cache, aux
 
@@ -287,7 +285,7 @@ class TopKDecoder(nnx.Module):
     cfg = self.config
     capacity = -(-max_len // block_size) * block_size
     dtype = dtype or self.embed.embedding[...].dtype
-    layer = init_kv_cache(
+    layer = KVCache.create(
       batch,
       capacity,
       cfg.num_kv_heads,
@@ -338,7 +336,7 @@ class TopKDecoder(nnx.Module):
       b, max_len, block_size=block_size, dtype=kvs[0][0].dtype
     )
     layers = tuple(
-      kv_cache_update(layer, k, v)
+      layer.append(k, v, donate=False)  # the layers share one empty cache
       for layer, (k, v) in zip(empty.layers, kvs, strict=True)
     )
     return self._logits(x[:, -1:])[:, 0], DecoderCache(layers=layers), aux
@@ -356,7 +354,7 @@ class TopKDecoder(nnx.Module):
     Args:
       input_ids: int ``[batch]``.
       cache: from :meth:`prefill` or a previous step; must have room (a full
-        cache drops the new position: ``kv_cache_update`` saturates).
+        cache drops the new position: ``KVCache.append`` saturates).
       attention: None (dense), a jaxtopk policy, or a DecoderAttention.
       rng: PRNG key for random selectors and MC-Search (folded per layer).
 

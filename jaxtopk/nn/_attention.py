@@ -48,8 +48,6 @@ from flax.nnx.module import first_from
 
 from jaxtopk.attention import KVCache
 from jaxtopk.attention import decode_attention
-from jaxtopk.attention import init_kv_cache
-from jaxtopk.attention import kv_cache_update
 from jaxtopk.nn._attention_fn import certified_attention
 from jaxtopk.nn._attention_fn import check_implementation
 from jaxtopk.nn._attention_fn import check_policy
@@ -391,7 +389,7 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
         block_size = min(DEFAULT_BLOCK_SIZE, max_length)
     capacity = -(-max_length // block_size) * block_size
     self.kv_cache = nnx.Cache(
-      init_kv_cache(
+      KVCache.create(
         math.prod(batch),
         capacity,
         self.num_kv_heads,
@@ -458,8 +456,13 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     if self.dtype is not None:
       query = query.astype(self.dtype)
     # Under jit a full sequence writes nothing and its rows are invalid.
-    cache = kv_cache_update(
-      cache, key, value, num_steps=jnp.where(full, 0, 1).astype(jnp.int32)
+    # Not donated: the variable's old cache may be shared, e.g. by a clone
+    # of this module or a state snapshot.
+    cache = cache.append(
+      key,
+      value,
+      num_steps=jnp.where(full, 0, 1).astype(jnp.int32),
+      donate=False,
     )
     self.kv_cache.set_value(cache)
     if mask is None:

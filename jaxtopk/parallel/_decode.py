@@ -21,7 +21,7 @@ cheaper, 4 psums of 256-bin radix counts (``global_topk_keep``), for
 Certified two psums of 64-bin histograms, then one all-gather of the
 shards' Partials (``v_dim + 11`` numbers per shard) and a few pmax/psum
 key summaries. Value norms come from the cache's block norms (an upper
-bound per block, kept at ``kv_cache_update``), never recomputed per step.
+bound per block, kept at ``KVCache.append``), never recomputed per step.
 The cache's key boxes are not read: ``Certified`` runs the exact search,
 and Delta- / MC-Search are refused by name (``UnsupportedPolicyError``).
 """

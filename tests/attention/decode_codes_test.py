@@ -110,12 +110,10 @@ class AutoDecodeTest(parameterized.TestCase):
     # GQA group share their kv head's choice).
     n, d = k.shape
     h = q.shape[0]
-    cache = jaxtopk.init_kv_cache(1, n, h, d, block_size=64, value_dim=n)
+    cache = jaxtopk.KVCache.create(1, n, h, d, block_size=64, value_dim=n)
     kk = jnp.broadcast_to(jnp.asarray(k)[None, :, None], (1, n, h, d))
     eye = jnp.eye(n, dtype=jnp.float32)[None, :, None]
-    cache = jaxtopk.kv_cache_update(
-      cache, kk, jnp.broadcast_to(eye, (1, n, h, n))
-    )
+    cache = cache.append(kk, jnp.broadcast_to(eye, (1, n, h, n)))
     return jaxtopk.decode_attention(
       jnp.asarray(q)[None, None], cache, policy=jaxtopk.Certified(0.05)
     )

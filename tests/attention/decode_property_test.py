@@ -84,12 +84,11 @@ def _truth(q, k, length, scale):
 
 
 def _decode(q, k, length, policy, dtype):
-  cache = jaxtopk.init_kv_cache(
+  cache = jaxtopk.KVCache.create(
     1, N, 1, D, block_size=BS, dtype=dtype, value_dim=N
   )
   eye = jnp.eye(N, dtype=dtype)[None, :, None, :]
-  cache = jaxtopk.kv_cache_update(
-    cache,
+  cache = cache.append(
     jnp.asarray(k, dtype)[None, :, None, :],
     eye,
     num_steps=jnp.array([length]),
@@ -165,9 +164,9 @@ class DecodeRegressionTest(parameterized.TestCase):
     s[:2] = 0.0
     k = np.zeros((n, D), np.float32)
     k[:, 0] = s
-    cache = jaxtopk.init_kv_cache(1, n, 1, D, block_size=BS)
-    cache = jaxtopk.kv_cache_update(
-      cache, jnp.asarray(k)[None, :, None], jnp.asarray(k)[None, :, None]
+    cache = jaxtopk.KVCache.create(1, n, 1, D, block_size=BS)
+    cache = cache.append(
+      jnp.asarray(k)[None, :, None], jnp.asarray(k)[None, :, None]
     )
     q = jnp.asarray([1.0, 0.0, 0.0, 0.0])[None, None, None]
     _, cert = jaxtopk.decode_attention(q, cache, policy=policy, scale=1.0)
@@ -190,8 +189,8 @@ class DecodeRegressionTest(parameterized.TestCase):
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.normal(size=(1, n, 1, D)), jnp.float32)
     v = jnp.full((1, n, 1, D), 3e37, jnp.float32)
-    cache = jaxtopk.init_kv_cache(1, n, 1, D, block_size=BS)
-    cache = jaxtopk.kv_cache_update(cache, k, v)
+    cache = jaxtopk.KVCache.create(1, n, 1, D, block_size=BS)
+    cache = cache.append(k, v)
     out, cert = jaxtopk.decode_attention(
       jnp.ones((1, 1, 1, D)), cache, policy=policy, key=jax.random.key(0)
     )
@@ -211,9 +210,8 @@ class DecodeRegressionTest(parameterized.TestCase):
     k[0, :2], k[1, 1] = (-3e38, 5), 3
     dot = jax.jit(lambda a, b: jnp.dot(a, b, precision="highest"))
     flushes = float(dot(jnp.asarray(q), jnp.asarray(k[0]))) == 5.0
-    cache = jaxtopk.init_kv_cache(1, 8, 1, D, block_size=8, value_dim=2)
-    cache = jaxtopk.kv_cache_update(
-      cache,
+    cache = jaxtopk.KVCache.create(1, 8, 1, D, block_size=8, value_dim=2)
+    cache = cache.append(
       jnp.asarray(k[:2])[None, :, None],
       jnp.eye(2)[None, :, None],
     )
@@ -233,8 +231,8 @@ class DecodeRegressionTest(parameterized.TestCase):
     n = 512
     rng = np.random.default_rng(1)
     k = jnp.asarray(0.1 * rng.normal(size=(2, n, 1, D)), jnp.float32)
-    cache = jaxtopk.init_kv_cache(2, n, 1, D, block_size=BS)
-    cache = jaxtopk.kv_cache_update(cache, k, k)
+    cache = jaxtopk.KVCache.create(2, n, 1, D, block_size=BS)
+    cache = cache.append(k, k)
     kw = {} if search == "exact" else dict(block_size=BS)
     policy = jaxtopk.Certified(0.01, search, max_topk=4, **kw)
     q = jnp.asarray(rng.normal(size=(2, 1, 3, D)), jnp.float32)

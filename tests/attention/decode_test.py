@@ -24,11 +24,13 @@ def _filled_cache(seed=0, clustered=False):
     drift = jnp.cumsum(jax.random.normal(kk, (B, N // BS, 1, D)), 1)
     k = 0.2 * k + 3 * jnp.repeat(drift, BS, 1)
   v = jax.random.normal(kv, (B, N, HKV, DV))
-  empty = jaxtopk.init_kv_cache(B, N, HKV, D, block_size=BS, value_dim=DV)
-  full = empty
+  empty = lambda: jaxtopk.KVCache.create(
+    B, N, HKV, D, block_size=BS, value_dim=DV
+  )
+  full = empty()
   for lo, hi in ((0, 333), (333, 334), (334, N)):
-    full = jaxtopk.kv_cache_update(full, k[:, lo:hi], v[:, lo:hi])
-  rows = jaxtopk.kv_cache_update(empty, k, v, num_steps=jnp.array(LENGTHS))
+    full = full.append(k[:, lo:hi], v[:, lo:hi])
+  rows = empty().append(k, v, num_steps=jnp.array(LENGTHS))
   return full, rows, k, v
 
 
@@ -60,24 +62,24 @@ class CacheTest(parameterized.TestCase):
       np.testing.assert_array_equal(cache.keys[b, :, n:], 0.0)
 
   def test_overflow_drops_and_saturates(self):
-    cache = jaxtopk.init_kv_cache(1, 32, 1, 3, block_size=16)
+    cache = jaxtopk.KVCache.create(1, 32, 1, 3, block_size=16)
     x = jnp.ones((1, 40, 1, 3))
-    cache = jaxtopk.kv_cache_update(cache, x, x)
+    cache = cache.append(x, x)
     np.testing.assert_array_equal(cache.length, [32])
     np.testing.assert_array_equal(cache.kmax, 1.0)
 
   @parameterized.named_parameters(
-    ("len", lambda: jaxtopk.init_kv_cache(1, 30, 1, 3, block_size=16), "30"),
-    ("neg", lambda: jaxtopk.init_kv_cache(0, 32, 1, 3), "batch=0"),
+    ("len", lambda: jaxtopk.KVCache.create(1, 30, 1, 3, block_size=16), "30"),
+    ("neg", lambda: jaxtopk.KVCache.create(0, 32, 1, 3), "batch=0"),
   )
   def test_bad_init(self, make, fragment):
     with self.assertRaisesRegex(ValueError, fragment):
       make()
 
   def test_bad_update(self):
-    cache = jaxtopk.init_kv_cache(2, 32, 1, 3, block_size=16)
-    with self.assertRaisesRegex(ValueError, "key must be"):
-      jaxtopk.kv_cache_update(cache, jnp.ones((2, 1, 2, 3)), jnp.ones((2, 1)))
+    cache = jaxtopk.KVCache.create(2, 32, 1, 3, block_size=16)
+    with self.assertRaisesRegex(ValueError, "keys must be"):
+      cache.append(jnp.ones((2, 1, 2, 3)), jnp.ones((2, 1)))
 
   @parameterized.named_parameters(
     # [2] for a batch of 2 rows of 1 used to corrupt ``length``; a Python
@@ -89,32 +91,32 @@ class CacheTest(parameterized.TestCase):
     ("negative", -1, ValueError, r"num_steps=-1 must be in \[0, 2\]"),
   )
   def test_bad_num_steps(self, num_steps, exc, fragment):
-    cache = jaxtopk.init_kv_cache(2, 32, 1, 3, block_size=16)
+    cache = jaxtopk.KVCache.create(2, 32, 1, 3, block_size=16)
     x = jnp.ones((2, 2, 1, 3))
     with self.assertRaisesRegex(exc, fragment):
-      jaxtopk.kv_cache_update(cache, x, x, num_steps=num_steps)
+      cache.append(x, x, num_steps=num_steps)
 
   def test_num_steps_scalar_and_traced(self):
-    cache = jaxtopk.init_kv_cache(2, 32, 1, 3, block_size=16)
+    cache = jaxtopk.KVCache.create(2, 32, 1, 3, block_size=16)
     x = jnp.ones((2, 2, 1, 3))
-    got = jaxtopk.kv_cache_update(cache, x, x, num_steps=1)
+    got = jax.tree.map(jnp.copy, cache).append(x, x, num_steps=1)
     np.testing.assert_array_equal(got.length, [1, 1])
-    f = jax.jit(lambda c, n: jaxtopk.kv_cache_update(c, x, x, num_steps=n))
+    f = jax.jit(lambda c, n: c.append(x, x, num_steps=n))
     got = f(cache, jnp.array([5, 1]))  # traced: clipped to [0, steps]
     np.testing.assert_array_equal(got.length, [2, 1])
 
   @parameterized.named_parameters(
-    ("complex", np.complex64, "key must be real floating"),
-    ("int", np.int32, "key must be real floating"),
+    ("complex", np.complex64, "keys must be real floating"),
+    ("int", np.int32, "keys must be real floating"),
   )
   def test_non_real_keys_refused(self, dtype, fragment):
     # Complex keys were silently cast to their real part.
-    cache = jaxtopk.init_kv_cache(1, 16, 1, 3, block_size=16)
+    cache = jaxtopk.KVCache.create(1, 16, 1, 3, block_size=16)
     x = np.ones((1, 1, 1, 3), np.float32)
     with self.assertRaisesRegex(TypeError, fragment):
-      jaxtopk.kv_cache_update(cache, x.astype(dtype), x)
-    with self.assertRaisesRegex(TypeError, "value must be real floating"):
-      jaxtopk.kv_cache_update(cache, x, x.astype(dtype))
+      cache.append(x.astype(dtype), x)
+    with self.assertRaisesRegex(TypeError, "values must be real floating"):
+      cache.append(x, x.astype(dtype))
 
 
 def _reference(q, k, v, policy):
@@ -144,10 +146,10 @@ class DecodeTest(parameterized.TestCase):
 
   def test_ties_in_candidate_path_sound(self):
     # Many identical keys: exact ties across sub-blocks and at the threshold.
-    cache = jaxtopk.init_kv_cache(1, N, 1, D, block_size=BS)
+    cache = jaxtopk.KVCache.create(1, N, 1, D, block_size=BS)
     base = jax.random.normal(jax.random.key(1), (7, D))
     k = base[jnp.arange(N) % 7][None, :, None, :]
-    cache = jaxtopk.kv_cache_update(cache, k, k)
+    cache = cache.append(k, k)
     q = jax.random.normal(jax.random.key(2), (1, 1, 1, D))
     topk = 200  # 200 of 1024: several tied groups straddle the threshold
     idx, kept, thresh = _decode.topk_indices(
@@ -187,11 +189,9 @@ class DecodeTest(parameterized.TestCase):
     self.assertTrue(np.all(cert.output_error_bound + 1e-5 >= err))
 
   def test_empty_row_is_zero_and_invalid(self):
-    cache = jaxtopk.init_kv_cache(2, 64, 1, D, block_size=BS)
+    cache = jaxtopk.KVCache.create(2, 64, 1, D, block_size=BS)
     x = jnp.ones((1, 5, 1, D))
-    one = jaxtopk.kv_cache_update(
-      jaxtopk.init_kv_cache(1, 64, 1, D, block_size=BS), x, x
-    )
+    one = jaxtopk.KVCache.create(1, 64, 1, D, block_size=BS).append(x, x)
     cache = jax.tree.map(lambda a, b: a.at[0].set(b[0]), cache, one)
     q = jnp.ones((2, 1, 2, D))
     for policy in (jaxtopk.FixedK(2), jaxtopk.Certified(0.1)):
@@ -218,7 +218,7 @@ class DecodeTest(parameterized.TestCase):
     ),
   )
   def test_bad_input(self, kwargs, exc, fragment):
-    cache = jaxtopk.init_kv_cache(B, 64, HKV, D, block_size=BS)
+    cache = jaxtopk.KVCache.create(B, 64, HKV, D, block_size=BS)
     q = jnp.ones(kwargs.pop("q_shape", (B, 1, H, D)))
     kwargs.setdefault("policy", jaxtopk.FixedK(2))
     with self.assertRaisesRegex(exc, fragment):

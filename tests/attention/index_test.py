@@ -62,7 +62,7 @@ def _cases(draw):
 
 
 def _index(k, v, lengths, dtype):
-  return jaxtopk.build_kv_index(
+  return jaxtopk.IndexedKVCache.build(
     jnp.asarray(k, dtype),
     jnp.asarray(v, dtype),
     lengths=lengths,
@@ -261,8 +261,8 @@ class IndexTest(parameterized.TestCase):
     lengths = jnp.array([N, N])
     fresh = _index(k, v, lengths, jnp.float32)
     grown = _index(k[:, :20], v[:, :20], jnp.array([20, 20]), jnp.float32)
-    grown = jaxtopk.kv_index_update(grown, k[:, 20:44], v[:, 20:44])
-    grown = jaxtopk.kv_index_update(grown, k[:, 44:], v[:, 44:])
+    grown = grown.append(k[:, 20:44], v[:, 20:44])
+    grown = grown.append(k[:, 44:], v[:, 44:])
     np.testing.assert_array_equal(grown.length, [N, N])
     for idx in (fresh, grown):
       pos = np.asarray(idx.position).reshape(B, HK, -1)
@@ -284,7 +284,7 @@ class IndexTest(parameterized.TestCase):
       for idx in (fresh, grown)
     ]
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)
-    rebuilt = jaxtopk.rebuild_kv_index(grown)
+    rebuilt = grown.rebuild()
     np.testing.assert_array_equal(rebuilt.count.sum(-1), [[N], [N]])
     pol = jaxtopk.Certified(0.1, "delta", block_size=C)
     for idx in (fresh, grown, rebuilt):
@@ -297,21 +297,21 @@ class IndexTest(parameterized.TestCase):
     index = _index(k[:, :40], v[:, :40], jnp.array([40, 40]), jnp.float32)
     far = jnp.full((B, 12, HK, D), 1e3)  # far from every centre
     fv = far[..., :DV]
-    full = jaxtopk.kv_index_update(index, far, fv)
+    full = jax.tree.map(jnp.copy, index).append(far, fv)  # index kept
     np.testing.assert_array_equal(full.length, [MAX_LEN, MAX_LEN])
     np.testing.assert_array_equal(full.count.sum(-1), [[MAX_LEN]] * B)
     opened = (np.asarray(full.count) > 0) & (np.asarray(index.count) == 0)
     self.assertTrue(np.any(opened))
-    part = jaxtopk.kv_index_update(
-      index, far[:, :3], fv[:, :3], num_steps=jnp.array([0, 2])
-    )
+    part = index.append(far[:, :3], fv[:, :3], num_steps=jnp.array([0, 2]))
     np.testing.assert_array_equal(part.length, [40, 42])
 
   def test_full_policies_match_kv_cache(self):
     k, v, q = _clustered(seed=5)
     index = _index(k, v, jnp.array([N, 30]), jnp.float32)
-    cache = jaxtopk.init_kv_cache(B, MAX_LEN, HK, D, block_size=C, value_dim=DV)
-    cache = jaxtopk.kv_cache_update(cache, k, v, num_steps=jnp.array([N, 30]))
+    cache = jaxtopk.KVCache.create(
+      B, MAX_LEN, HK, D, block_size=C, value_dim=DV
+    )
+    cache = cache.append(k, v, num_steps=jnp.array([N, 30]))
     for pol in (jaxtopk.FixedK(5), jaxtopk.Certified(0.05)):
       o1, c1 = jaxtopk.decode_attention(q, index, policy=pol)
       o2, c2 = jaxtopk.decode_attention(q, cache, policy=pol)
@@ -394,13 +394,13 @@ class IndexTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "eps"):
       jaxtopk.grow_selection(q, index, np.zeros((B, 1, 1, 1), int), eps=1.5)
     with self.assertRaisesRegex(ValueError, "max_len"):
-      jaxtopk.build_kv_index(k, v, max_len=10)
+      jaxtopk.IndexedKVCache.build(k, v, max_len=10)
     with self.assertRaisesRegex(ValueError, "group_size"):
-      jaxtopk.build_kv_index(k, v, group_size=0)
+      jaxtopk.IndexedKVCache.build(k, v, group_size=0)
 
   def test_one_key(self):
     k, v, q = _clustered(n=1)
-    index = jaxtopk.build_kv_index(k, v, group_size=C)
+    index = jaxtopk.IndexedKVCache.build(k, v, group_size=C)
     for pol in (
       jaxtopk.Certified(0.1, "delta", block_size=C),
       jaxtopk.Dense(),
@@ -449,8 +449,10 @@ class IndexAuditTest(parameterized.TestCase):
     k = rng.uniform(-5e37, 5e37, (1, 7, 1, 5)).astype(np.float32)
     k[0, :, 0, 0] = [-2.5e38, -2.5e38, -1e38, 1e38, -1e38, 2.5e38, -1e38]
     v = np.eye(7, dtype=np.float32)[None, :, None, :]
-    index = jaxtopk.build_kv_index(k[:, :2], v[:, :2], max_len=7, group_size=4)
-    index = jaxtopk.kv_index_update(index, k[:, 2:], v[:, 2:])
+    index = jaxtopk.IndexedKVCache.build(
+      k[:, :2], v[:, :2], max_len=7, group_size=4
+    )
+    index = index.append(k[:, 2:], v[:, 2:])
     slot = np.asarray(index.slot)[0, 0]
     self.assertTrue(np.all(slot >= 0), slot)
     self.assertLen(set(slot.tolist()), 7)
@@ -464,7 +466,7 @@ class IndexAuditTest(parameterized.TestCase):
     k[0, :, 0, 0] = [2.5e38, -2.5e38, 1e38, -1e38] * 2
     q = np.zeros((1, 1, 2, 4), np.float32)
     q[0, 0, :, 0] = [1.5e-38, -1.5e-38]
-    index = jaxtopk.build_kv_index(k, k, group_size=8, num_clusters=1)
+    index = jaxtopk.IndexedKVCache.build(k, k, group_size=8, num_clusters=1)
     pos = np.array([[[[0], [1]]]])
     cert = jaxtopk.certify_selection(q, index, pos)
     keep = np.zeros((2, 8), bool)
@@ -486,9 +488,9 @@ class IndexAuditTest(parameterized.TestCase):
     v = np.full((1, 16, 1, 2), mag, np.float32)
     v[..., 1] *= np.where(np.arange(16) % 2, 1, -1)[None, :, None]
     q = (0.1 * rng.normal(size=(1, 1, 2, 4))).astype(np.float32)
-    index = jaxtopk.build_kv_index(k, v, group_size=4)
-    cache = jaxtopk.init_kv_cache(1, 16, 1, 4, block_size=4, value_dim=2)
-    cache = jaxtopk.kv_cache_update(cache, k, v)
+    index = jaxtopk.IndexedKVCache.build(k, v, group_size=4)
+    cache = jaxtopk.KVCache.create(1, 16, 1, 4, block_size=4, value_dim=2)
+    cache = cache.append(k, v)
     for pol in (
       jaxtopk.Dense(),
       jaxtopk.FixedK(5),
@@ -519,7 +521,7 @@ class IndexAuditTest(parameterized.TestCase):
     k[0, 13, 0, 1] = bad
     q = rng.normal(size=(1, 1, 2, 4)).astype(np.float32)
     v = np.ones((1, 16, 1, 2), np.float32)
-    index = jaxtopk.build_kv_index(k, v, group_size=4)
+    index = jaxtopk.IndexedKVCache.build(k, v, group_size=4)
     pos = np.broadcast_to(np.arange(3), (1, 1, 1, 3))
     cert = jaxtopk.certify_selection(q, index, pos)
     np.testing.assert_array_equal(cert.valid, False)
@@ -540,7 +542,7 @@ class IndexAuditTest(parameterized.TestCase):
     k = rng.normal(size=(1, 16, 1, 4)).astype(np.float32)
     q = (3 * rng.normal(size=(1, 1, 1, 4))).astype(np.float32)
     k[0, 1, 0] = 3 * q[0, 0, 0]  # key 1 holds the mass
-    index = jaxtopk.build_kv_index(k, k, group_size=4)
+    index = jaxtopk.IndexedKVCache.build(k, k, group_size=4)
     big = np.array([[[[2**32 + 1]]]], np.int64)
     cert = jaxtopk.certify_selection(q, index, big)
     np.testing.assert_array_equal(cert.valid, False)  # nothing real kept
@@ -595,19 +597,19 @@ class IndexAuditTest(parameterized.TestCase):
       ([1, 2], ValueError, "lengths must be"),
     ):
       with self.assertRaisesRegex(exc, frag):
-        jaxtopk.build_kv_index(k, k, lengths=lengths)
+        jaxtopk.IndexedKVCache.build(k, k, lengths=lengths)
     for dt in (np.int32, bool, np.complex64):
       with self.assertRaisesRegex(TypeError, "keys"):
-        jaxtopk.build_kv_index(k.astype(dt), k)
+        jaxtopk.IndexedKVCache.build(k.astype(dt), k)
       with self.assertRaisesRegex(TypeError, "values"):
-        jaxtopk.build_kv_index(k, k.astype(dt))
-    index = jaxtopk.build_kv_index(k, k, max_len=8, group_size=4)
+        jaxtopk.IndexedKVCache.build(k, k.astype(dt))
+    index = jaxtopk.IndexedKVCache.build(k, k, max_len=8, group_size=4)
     x = np.ones((1, 2, 1, 4), np.float32)
     with self.assertRaisesRegex(ValueError, "num_steps must be"):  # was a
-      jaxtopk.kv_index_update(index, x, x, num_steps=np.array([1, 2]))  # vmap
-    with self.assertRaisesRegex(TypeError, "key must be real"):
-      jaxtopk.kv_index_update(index, x.astype(np.complex64), x)
-    got = jaxtopk.kv_index_update(index, x, x, num_steps=1)
+      index.append(x, x, num_steps=np.array([1, 2]))  # vmap
+    with self.assertRaisesRegex(TypeError, "keys must be real"):
+      index.append(x.astype(np.complex64), x)
+    got = index.append(x, x, num_steps=1)
     np.testing.assert_array_equal(got.length, [4])
 
   def test_arguments_named(self):

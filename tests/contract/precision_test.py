@@ -37,8 +37,8 @@ def _inputs():
 
 
 def _cache(k, v):
-  cache = jaxtopk.init_kv_cache(B, N, HK, D, block_size=BS, value_dim=E)
-  return jaxtopk.kv_cache_update(cache, k, v)
+  cache = jaxtopk.KVCache.create(B, N, HK, D, block_size=BS, value_dim=E)
+  return cache.append(k, v)
 
 
 def _paths():
@@ -46,7 +46,7 @@ def _paths():
   q, k, v = _inputs()
   q1 = q[:, :1]
   cache = _cache(k, v)
-  index = jaxtopk.build_kv_index(k, v, group_size=BS)
+  index = jaxtopk.IndexedKVCache.build(k, v, group_size=BS)
   pos = jnp.zeros((B, 1, 1, 3), jnp.int32)
   key = jax.random.key(0)
   delta = jaxtopk.Certified(0.1, "delta", block_size=BS)

@@ -32,9 +32,9 @@ def _paths():
   """name -> fn(scale) running one public path."""
   q, k, v = _inputs()
   q1 = q[:, :1]
-  cache = jaxtopk.init_kv_cache(1, N, 1, D, block_size=4, value_dim=3)
-  cache = jaxtopk.kv_cache_update(cache, k, v)
-  index = jaxtopk.build_kv_index(k, v, group_size=4)
+  cache = jaxtopk.KVCache.create(1, N, 1, D, block_size=4, value_dim=3)
+  cache = cache.append(k, v)
+  index = jaxtopk.IndexedKVCache.build(k, v, group_size=4)
   pos = np.zeros((1, 1, 1, 1), np.int32)
   delta = jaxtopk.Certified(0.1, "delta", block_size=4)
   mesh = parallel.make_mesh({"kv": 1})

@@ -27,7 +27,7 @@ has a filled prefix, so a row's mask becomes a permutation and a length;
 values travel with their keys, so the identity columns still name the
 original keys).
 
-The content index (``build_kv_index``, ``kv_index_update``), its
+The content index (``IndexedKVCache.build``, ``.append``), its
 certificates of given sets (``certify_selection``, ``grow_selection``),
 caches filled by ragged appends and the Flax layer's decode loop join the
 same way; their caches are filled exactly to capacity (no spare position),
@@ -143,10 +143,10 @@ def _decode(implementation):
       n, hk, e = k.shape[1], k.shape[2], v.shape[3]
       kk, vv, length = _rows_first(k, v, mask)
       max_len = -(-n // bs) * bs
-      cache = jaxtopk.init_kv_cache(
+      cache = jaxtopk.KVCache.create(
         b * t, max_len, hk, d, block_size=bs, dtype=k.dtype, value_dim=e
       )
-      cache = jaxtopk.kv_cache_update(cache, kk, vv, num_steps=length)
+      cache = cache.append(kk, vv, num_steps=length)
       out, cert = jaxtopk.decode_attention(
         q.reshape(b * t, 1, h, d),
         cache,
@@ -241,10 +241,10 @@ def _sharded_decode(n_shards):
       n, hk, e = k.shape[1], k.shape[2], v.shape[3]
       kk, vv, length = _rows_first(k, v, mask)
       max_len = -(-n // (bs * n_shards)) * bs * n_shards
-      cache = jaxtopk.init_kv_cache(
+      cache = jaxtopk.KVCache.create(
         b * t, max_len, hk, d, block_size=bs, dtype=k.dtype, value_dim=e
       )
-      cache = jaxtopk.kv_cache_update(cache, kk, vv, num_steps=length)
+      cache = cache.append(kk, vv, num_steps=length)
 
       def shard(keys, values):
         return parallel.decode_shard_attention(
@@ -385,8 +385,8 @@ def _index_of(kk, vv, length, bs, appends):
   n = kk.shape[1]
   first = min(2, n)
   if not appends or first == n:
-    return jaxtopk.build_kv_index(kk, vv, lengths=length, group_size=bs)
-  index = jaxtopk.build_kv_index(
+    return jaxtopk.IndexedKVCache.build(kk, vv, lengths=length, group_size=bs)
+  index = jaxtopk.IndexedKVCache.build(
     kk[:, :first],
     vv[:, :first],
     lengths=jnp.minimum(length, first),
@@ -394,9 +394,7 @@ def _index_of(kk, vv, length, bs, appends):
     group_size=bs,
   )
   rest = jnp.maximum(length - first, 0)
-  return jaxtopk.kv_index_update(
-    index, kk[:, first:], vv[:, first:], num_steps=rest
-  )
+  return index.append(kk[:, first:], vv[:, first:], num_steps=rest)
 
 
 def _index_supports(policy):
@@ -510,15 +508,13 @@ def _cache_appends(policy, dtype):
     b, t, h, d = q.shape
     n, hk, e = k.shape[1], k.shape[2], v.shape[3]
     kk, vv, length = _rows_first(k, v, mask)
-    cache = jaxtopk.init_kv_cache(
+    cache = jaxtopk.KVCache.create(
       b * t, -(-n // bs) * bs, hk, d, block_size=bs, dtype=k.dtype, value_dim=e
     )
     cuts = sorted({0, min(3, n), min(5, n), n})
     for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
       steps = jnp.clip(length - lo, 0, hi - lo)
-      cache = jaxtopk.kv_cache_update(
-        cache, kk[:, lo:hi], vv[:, lo:hi], num_steps=steps
-      )
+      cache = cache.append(kk[:, lo:hi], vv[:, lo:hi], num_steps=steps)
     out, cert = jaxtopk.decode_attention(
       q.reshape(b * t, 1, h, d), cache, policy=policy, key=jax.random.key(0)
     )

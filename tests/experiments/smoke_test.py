@@ -89,6 +89,15 @@ class SmokeRunTest(parameterized.TestCase):
       module.run(config, workdir)
     getattr(self, f"_check_{name}")(result)
 
+  def _check_bench_append(self, record):
+    self.assertLen(record["results"], 2)  # kv and index, one size
+    for r in record["results"]:
+      self.assertTrue(r["same_result"])  # donated == copying, every field
+      self.assertEqual(r["length_after"], r["fill"] + 2 + 2)
+      # The donated append updates every byte of the cache in place.
+      self.assertEqual(r["alias_bytes_append"], r["cache_bytes_append"])
+      self.assertEqual(r["alias_bytes_copy"], 0)
+
   def _check_bench_decode(self, record):
     (r,) = record["results"]
     self.assertLess(r["max_abs_diff_vs_lax_topk"], 1e-5)

@@ -141,9 +141,9 @@ class PallasDecodeAttentionTest(base.KernelTestCase):
     q, k, v, _ = base.planted(
       2, 4, 2, 1, 150, 8, 8, jnp.float32, block_k=16, block_q=1
     )
-    cache = jaxtopk.init_kv_cache(2, 192, 2, 8, block_size=16)
+    cache = jaxtopk.KVCache.create(2, 192, 2, 8, block_size=16)
     sw = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-    cache = jaxtopk.kv_cache_update(cache, sw(k), sw(v))
+    cache = cache.append(sw(k), sw(v))
     return sw(q), cache
 
   def test_dense_same_as_xla(self):

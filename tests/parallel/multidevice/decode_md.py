@@ -27,10 +27,10 @@ def setUpModule():
 
 def _cache_and_query(seed, filled=FILLED):
   rng = np.random.default_rng(seed)
-  cache = jaxtopk.init_kv_cache(B, MAX_LEN, HK, D, block_size=16)
+  cache = jaxtopk.KVCache.create(B, MAX_LEN, HK, D, block_size=16)
   k = jnp.asarray(rng.standard_normal((B, filled, HK, D)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((B, filled, HK, D)), jnp.float32)
-  cache = jaxtopk.kv_cache_update(cache, k, v)
+  cache = cache.append(k, v)
   q = jnp.asarray(rng.standard_normal((B, 1, HK * G, D)) * 3, jnp.float32)
   return cache, q
 
@@ -43,8 +43,8 @@ class ShardedDecodeTest(parameterized.TestCase):
   )
   def test_sharded_decode_equals_decode_attention(self, axes, policy):
     # The cache holds FILLED - 2 positions when sharded; two more are
-    # appended to the SHARDED cache (a decode step's kv_cache_update, jitted
-    # to keep the cache's shardings), then one step is decoded.
+    # appended to the SHARDED cache (a decode step's append, jitted to keep
+    # the cache's shardings), then one step is decoded.
     cache, q = _cache_and_query(0, FILLED - 2)
     rng = np.random.default_rng(1)
     k_new, v_new = (
@@ -54,11 +54,10 @@ class ShardedDecodeTest(parameterized.TestCase):
     mesh = parallel.make_mesh(axes)
     shardings = parallel.cache_shardings(mesh, cache)
     cache_s = jax.device_put(cache, shardings)
-    cache_s = jax.jit(jaxtopk.kv_cache_update, out_shardings=shardings)(
-      cache_s, k_new, v_new
-    )
+    append = lambda c, k, v: c.append(k, v)
+    cache_s = jax.jit(append, out_shardings=shardings)(cache_s, k_new, v_new)
     self.assertEqual(cache_s.keys.sharding, shardings.keys)
-    cache = jaxtopk.kv_cache_update(cache, k_new, v_new)
+    cache = cache.append(k_new, v_new)
     np.testing.assert_array_equal(cache_s.length, FILLED)
     out, cert = parallel.sharded_decode_attention(
       q, cache_s, policy=policy, mesh=mesh
@@ -87,7 +86,7 @@ class ShardedDecodeTest(parameterized.TestCase):
   def test_indivisible_cache_is_rejected(self):
     cache, q = _cache_and_query(1)
     mesh = parallel.make_mesh({"kv": 8})
-    small = jaxtopk.init_kv_cache(B, 84, HK, D, block_size=4)
+    small = jaxtopk.KVCache.create(B, 84, HK, D, block_size=4)
     with self.assertRaisesRegex(ValueError, "max_len=84 must be divisible"):
       parallel.sharded_decode_attention(q, small, policy=FixedK(3), mesh=mesh)
 

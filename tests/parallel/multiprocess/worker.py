@@ -189,8 +189,8 @@ def run_decode(results, bench, repeats):
   for seed, (name, axes, policy) in enumerate(decode_cases()):
     mesh = parallel.make_mesh(axes)
     k, v, q, k_new, v_new = decode_inputs(seed)
-    cache = jaxtopk.init_kv_cache(DB, MAX_LEN, DHK, DD, block_size=16)
-    cache = jax.device_get(jaxtopk.kv_cache_update(cache, k, v))
+    cache = jaxtopk.KVCache.create(DB, MAX_LEN, DHK, DD, block_size=16)
+    cache = jax.device_get(cache.append(k, v))
     shardings = parallel.cache_shardings(mesh, cache)
     # Each process loads only its positions (and batch rows) of the cache.
     cache_s = jax.tree.map(
@@ -202,7 +202,7 @@ def run_decode(results, bench, repeats):
       cache,
       shardings,
     )
-    append = jax.jit(jaxtopk.kv_cache_update, out_shardings=shardings)
+    append = jax.jit(lambda c, k, v: c.append(k, v), out_shardings=shardings)
     cache_s = append(cache_s, k_new, v_new)  # a decode step's append
     q_arg = _global(mesh, jax.sharding.PartitionSpec(), q)
 
@@ -248,7 +248,7 @@ def run_decode_large(results, bench, repeats):
   mesh = parallel.make_mesh({"kv": 8})
   policy = jaxtopk.Certified(0.01)
   rng = np.random.default_rng(7)
-  cache = jaxtopk.init_kv_cache(b, n, hk, d, block_size=64)
+  cache = jaxtopk.KVCache.create(b, n, hk, d, block_size=64)
   shardings = parallel.cache_shardings(mesh, cache)
 
   def load(shape, scale=1.0):  # each process draws only its own block
