@@ -50,8 +50,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxtopk.attention import _ops
 from jaxtopk.attention import checks
+from jaxtopk.attention import registry
 from jaxtopk.attention._cache import KVCache
 from jaxtopk.selection import FEATURES
 from jaxtopk.selection import Auto
@@ -109,8 +109,8 @@ CODES_CHUNK = 1024
 _HIGHEST = core.PRECISION  # full float32 products (the bounds assume it)
 
 # ``{implementation name: fn}`` of the registered decode ops over a KVCache
-# (read-only, from ``_ops.OPS``; None is the default).
-DECODE_IMPLEMENTATIONS = _ops.ImplementationView("decode", KVCache)
+# (read-only, from ``registry.OPS``; None is the default).
+DECODE_IMPLEMENTATIONS = registry.ImplementationView("decode", KVCache)
 
 
 def register_decode_implementation(name: str, fn: Callable) -> None:
@@ -119,22 +119,22 @@ def register_decode_implementation(name: str, fn: Callable) -> None:
   Kept for compatibility: ``fn`` has the signature of
   ``xla_decode_attention`` (checked arguments) and refuses by itself what
   it cannot honour (the op declares every policy feature); registering an
-  ``_ops.AttentionOp`` declares that instead.
+  ``registry.AttentionOp`` declares that instead.
   """
 
   def op_fn(query, cache, *, policy, scale, key):
-    scale, rng = checked_call(query, cache, policy, scale, key)
+    scale, rng = checks.check_decode_call(query, cache, policy, scale, key)
     return fn(query, cache, rng, policy=policy, scale=scale)
 
-  _ops.register(
-    _ops.AttentionOp(
+  registry.register(
+    registry.AttentionOp(
       name=f"{name}_decode",
       implementation=name,
       kind="decode",
       fn=op_fn,
       label=f"decode_attention(implementation={name!r})",
       supports=FEATURES,
-      arguments=_ops.DECODE_ARGUMENTS,
+      arguments=registry.DECODE_ARGUMENTS,
       cache_types=(KVCache,),
     )
   )
@@ -934,42 +934,20 @@ def xla_decode_attention(query, cache, rng, *, policy, scale):
   return _xla_decode(query, cache, rng, scale, policy=policy, static_scale=None)
 
 
-def checked_call(query, cache: KVCache, policy, scale, key):
-  """The checks of a decode call over a KVCache (query shape, scale, PRNG
-  key), shared by its ops.
-
-  Returns:
-    ``(scale, rng)``: ``checks.check_scale``'s scale and
-    ``checks.check_rng``'s key.
-  """
-  b, hk, _, d = cache.keys.shape
-  if query.ndim != 4 or query.shape[:2] != (b, 1) or query.shape[3] != d:
-    raise ValueError(
-      f"query must be [batch={b}, 1, num_heads, head_dim={d}]; got"
-      f" {query.shape=}"
-    )
-  if query.shape[2] == 0 or query.shape[2] % hk:
-    raise ValueError(
-      f"num_heads={query.shape[2]} must be a positive multiple of"
-      f" num_kv_heads={hk}"
-    )
-  return checks.check_scale(scale, d), checks.check_rng(policy, key)
-
-
 def _xla_op(query, cache, *, policy, scale, key):
-  scale, rng = checked_call(query, cache, policy, scale, key)
+  scale, rng = checks.check_decode_call(query, cache, policy, scale, key)
   return xla_decode_attention(query, cache, rng, policy=policy, scale=scale)
 
 
-XLA_DECODE = _ops.register(
-  _ops.AttentionOp(
+XLA_DECODE = registry.register(
+  registry.AttentionOp(
     name="xla_decode",
     implementation="xla",
     kind="decode",
     fn=_xla_op,
     label=_BACKEND,
     supports=SUPPORTS,
-    arguments=_ops.DECODE_ARGUMENTS,
+    arguments=registry.DECODE_ARGUMENTS,
     cache_types=(KVCache,),
   )
 )
@@ -997,7 +975,7 @@ def decode_attention(
   row then reports its true, larger bound). See the module docstring for
   how the XLA path stays close to the cost of the logits.
 
-  The op is chosen from the registry (``attention._ops``) by
+  The op is chosen from the registry (``attention.registry``) by
   ``implementation`` and the cache's type: over an IndexedKVCache 'xla' is
   the content index's search (``attention._index_search``).
 
@@ -1037,13 +1015,13 @@ def decode_attention(
   def call(op):
     return op.fn(query, cache, policy=policy, scale=scale, key=key)
 
-  return _ops.dispatch(
+  return registry.dispatch(
     "decode",
     implementation,
     call,
     policy=policy,
     cache=cache,
-    given=_ops.scale_arguments(scale),
+    given=registry.scale_arguments(scale),
   )
 
 

@@ -69,8 +69,8 @@ from jax import lax
 from jax.scipy.special import logsumexp
 
 from jaxtopk import selection
-from jaxtopk.attention import _ops
 from jaxtopk.attention import checks
+from jaxtopk.attention import registry
 from jaxtopk.attention._index import IndexedKVCache
 from jaxtopk.attention._index import norm_up
 from jaxtopk.selection import core
@@ -1385,15 +1385,15 @@ def _index_op(query, cache, *, policy, scale, key):
   )
 
 
-INDEX_DECODE = _ops.register(
-  _ops.AttentionOp(
+INDEX_DECODE = registry.register(
+  registry.AttentionOp(
     name="index_decode",
     implementation="xla",
     kind="decode",
     fn=_index_op,
     label=_BACKEND,
     supports_fn=supports,
-    arguments=_ops.DECODE_ARGUMENTS,
+    arguments=registry.DECODE_ARGUMENTS,
     cache_types=(IndexedKVCache,),
   )
 )

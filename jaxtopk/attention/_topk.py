@@ -14,7 +14,7 @@ negligible under Delta-Search).
 The kept set is chosen on stop-gradient logits (it is piecewise constant);
 gradients flow through the softmax over the kept keys (THEORY 8.2).
 
-Paths are ops of the one registry (``attention._ops``): this module
+Paths are ops of the one registry (``attention.registry``): this module
 registers 'xla_prefill'; ``jaxtopk.kernels`` and ``jaxtopk.parallel``
 register theirs. Every argument is checked here (``attention.checks``)
 before any op runs; ``implementation=`` (a name or a sequence tried in
@@ -28,29 +28,29 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxtopk.attention import _ops
 from jaxtopk.attention import _prefill
 from jaxtopk.attention import checks
+from jaxtopk.attention import registry
 from jaxtopk.selection import FEATURES
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Policy
 from jaxtopk.selection import core
 
 # ``{implementation name: fn}`` of the registered prefill ops (read-only,
-# from ``_ops.OPS``; None is the default).
-IMPLEMENTATIONS = _ops.ImplementationView("prefill")
+# from ``registry.OPS``; None is the default).
+IMPLEMENTATIONS = registry.ImplementationView("prefill")
 
 # The name of this path in capability errors.
 BACKEND = "topk_attention(implementation='xla')"
 
 
 def register_implementation(name: str, fn: Callable) -> None:
-  """Plugs a backend into ``topk_attention`` (an op of ``attention._ops``).
+  """Plugs a backend into ``topk_attention`` (an op of ``attention.registry``).
 
   Kept for compatibility: the op declares every policy feature and argument,
   so ``fn`` itself refuses (raising ``UnsupportedPolicyError`` or
   NotImplementedError naming the field) what it cannot honour; registering
-  an ``_ops.AttentionOp`` declares that instead.
+  an ``registry.AttentionOp`` declares that instead.
 
   Args:
     name: the value users pass as ``implementation=``.
@@ -63,15 +63,15 @@ def register_implementation(name: str, fn: Callable) -> None:
       ``lse`` None unless ``return_residual``). It raises naming any
       argument it cannot honour.
   """
-  _ops.register(
-    _ops.AttentionOp(
+  registry.register(
+    registry.AttentionOp(
       name=f"{name}_prefill",
       implementation=name,
       kind="prefill",
       fn=fn,
       label=f"topk_attention(implementation={name!r})",
       supports=FEATURES,
-      arguments=_ops.PREFILL_ARGUMENTS,
+      arguments=registry.PREFILL_ARGUMENTS,
     )
   )
 
@@ -271,15 +271,15 @@ def xla_topk_attention(
   return out, cert, lse
 
 
-XLA_PREFILL = _ops.register(
-  _ops.AttentionOp(
+XLA_PREFILL = registry.register(
+  registry.AttentionOp(
     name="xla_prefill",
     implementation="xla",
     kind="prefill",
     fn=xla_topk_attention,
     label=BACKEND,
     supports=_prefill.SUPPORTS,
-    arguments=_ops.PREFILL_ARGUMENTS,
+    arguments=registry.PREFILL_ARGUMENTS,
   )
 )
 
@@ -404,7 +404,7 @@ def topk_attention(
       such as 'pallas' or 'sharded' (under ``jax.set_mesh``), or a
       sequence of them tried in order, e.g. ``('pallas', 'xla')``: one
       that refuses the call (a policy field, argument, mask or platform it
-      does not support) falls through to the next (``attention._ops``).
+      does not support) falls through to the next (``attention.registry``).
     return_residual: also return the log-sum-exp residual (below).
     policy: a selection policy (``Dense``, ``FixedK``, ``Ratio``,
       ``PowerLaw``, ``Certified``); fields a backend cannot honour are
@@ -466,7 +466,7 @@ def topk_attention(
   ):
     if not isinstance(flag, bool):
       raise TypeError(f"{name}={flag!r} must be a bool")
-  given = _ops.prefill_arguments(
+  given = registry.prefill_arguments(
     bias=bias,
     mask=mask,
     is_causal=is_causal,
@@ -500,7 +500,7 @@ def topk_attention(
       return_residual=return_residual,
     )
 
-  out, cert, lse = _ops.dispatch(
+  out, cert, lse = registry.dispatch(
     "prefill",
     implementation,
     call,

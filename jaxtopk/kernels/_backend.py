@@ -1,6 +1,6 @@
 """``implementation='pallas'`` for ``topk_attention`` and ``decode_attention``.
 
-Two ops of the attention registry (``attention._ops``), 'pallas_prefill'
+Two ops of the attention registry (``attention.registry``), 'pallas_prefill'
 and 'pallas_decode' (``PREFILL_OP``, ``DECODE_OP``), registered when
 ``jaxtopk.kernels`` is imported (``jaxtopk`` imports it). Every policy field
 is honoured or refused by name (``Policy.require`` with the capabilities
@@ -34,10 +34,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxtopk.attention import _ops
+from jaxtopk.attention import KVCache
 from jaxtopk.attention import checks
-from jaxtopk.attention._cache import KVCache
-from jaxtopk.attention._decode import checked_call
+from jaxtopk.attention import registry
 from jaxtopk.kernels import _decode
 from jaxtopk.kernels import _prefill
 from jaxtopk.kernels import _sparse_flash
@@ -124,7 +123,7 @@ def pallas_topk_attention(
   is_causal = checks.check_is_causal(is_causal)
   mask = checks.check_mask(mask, dims.logits_shape)
   scale = checks.check_scale(scale, dims.head_dim)
-  given = _ops.prefill_arguments(
+  given = registry.prefill_arguments(
     bias=bias,
     mask=mask,
     is_causal=is_causal,
@@ -220,11 +219,11 @@ def _decode_splits(cache) -> int:
 
 def _decode_op(query, cache, *, policy, scale, key):
   """``pallas_decode_attention`` as the registry calls it (unchecked)."""
-  scale, rng = checked_call(query, cache, policy, scale, key)
+  scale, rng = checks.check_decode_call(query, cache, policy, scale, key)
   return pallas_decode_attention(query, cache, rng, policy=policy, scale=scale)
 
 
-PREFILL_OP = _ops.AttentionOp(
+PREFILL_OP = registry.AttentionOp(
   name="pallas_prefill",
   implementation="pallas",
   kind="prefill",
@@ -234,7 +233,7 @@ PREFILL_OP = _ops.AttentionOp(
   arguments=frozenset({"mask", "is_causal", "key_value_seq_lengths"}),
   masks="padding",
 )
-DECODE_OP = _ops.AttentionOp(
+DECODE_OP = registry.AttentionOp(
   name="pallas_decode",
   implementation="pallas",
   kind="decode",
@@ -247,5 +246,5 @@ DECODE_OP = _ops.AttentionOp(
 
 def register() -> None:
   """Registers 'pallas' with ``topk_attention`` and ``decode_attention``."""
-  _ops.register(PREFILL_OP)
-  _ops.register(DECODE_OP)
+  registry.register(PREFILL_OP)
+  registry.register(DECODE_OP)

@@ -33,7 +33,7 @@ from flax import linen
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from jaxtopk.attention import _ops
+from jaxtopk.attention import registry
 from jaxtopk.attention import topk_attention
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Policy
@@ -53,8 +53,8 @@ def check_policy(policy: Any) -> Policy:
 
 def check_implementation(implementation: Any) -> str | tuple[str, ...] | None:
   """``implementation`` (a sequence as a tuple: hashable), if every name is
-  a registered implementation (``attention._ops``), else ValueError."""
-  _ops.names(implementation, "prefill")
+  a registered implementation (``attention.registry``), else ValueError."""
+  registry.names(implementation, "prefill")
   if isinstance(implementation, str) or implementation is None:
     return implementation
   return tuple(implementation)

@@ -33,9 +33,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxtopk.attention import _ops
+from jaxtopk.attention import KVCache
 from jaxtopk.attention import checks
-from jaxtopk.attention._cache import KVCache
+from jaxtopk.attention import registry
 from jaxtopk.parallel import _compat
 from jaxtopk.parallel import _kv_sharded
 from jaxtopk.parallel import _mesh
@@ -273,15 +273,15 @@ def _decode_op(query, cache, *, policy, scale, key):
 
 
 # ``decode_attention(implementation='sharded')`` under ``jax.set_mesh``.
-DECODE_OP = _ops.register(
-  _ops.AttentionOp(
+DECODE_OP = registry.register(
+  registry.AttentionOp(
     name="sharded_decode",
     implementation="sharded",
     kind="decode",
     fn=_decode_op,
     label="decode_attention(implementation='sharded')",
     supports=_kv_sharded.SUPPORTS,
-    arguments=_ops.DECODE_ARGUMENTS,
+    arguments=registry.DECODE_ARGUMENTS,
     cache_types=(KVCache,),
   )
 )

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxtopk.attention import _ops
 from jaxtopk.attention import checks
+from jaxtopk.attention import registry
 from jaxtopk.parallel import _compat
 from jaxtopk.parallel import _global_select
 from jaxtopk.parallel import _mesh
@@ -596,8 +596,8 @@ def _prefill_op(
 
 # ``topk_attention(implementation='sharded')`` under ``jax.set_mesh``: the
 # mesh's axes 'data', 'heads' and 'kv' (``parallel.AXES``) are sharded.
-PREFILL_OP = _ops.register(
-  _ops.AttentionOp(
+PREFILL_OP = registry.register(
+  registry.AttentionOp(
     name="sharded_prefill",
     implementation="sharded",
     kind="prefill",

@@ -1,4 +1,5 @@
-"""The registry of attention ops: dispatch by name, sequence and cache type."""
+"""The registry of attention ops (``attention.registry``): dispatch by name,
+sequence and cache type."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +7,7 @@ import numpy as np
 from absl.testing import absltest
 
 import jaxtopk
-from jaxtopk.attention import _ops
+from jaxtopk.attention import registry
 from jaxtopk.selection import UnsupportedPolicyError
 
 B, T, N, H, HK, D = 1, 3, 8, 2, 1, 4
@@ -34,9 +35,9 @@ def _equal(a, b):
 class OpsTest(absltest.TestCase):
   def test_registered_paths(self):
     for name in ("xla_prefill", "xla_decode", "index_decode"):
-      self.assertIn(name, _ops.OPS)
-    self.assertIn("pallas", _ops.implementations("prefill"))
-    self.assertIn("pallas", _ops.implementations("decode"))
+      self.assertIn(name, registry.OPS)
+    self.assertIn("pallas", registry.implementations("prefill"))
+    self.assertIn("pallas", registry.implementations("decode"))
 
   def test_refused_policy_falls_through(self):
     q, k, v = _qkv()
@@ -102,7 +103,8 @@ class OpsTest(absltest.TestCase):
     index = jaxtopk.build_kv_index(k, v, group_size=BS)
     policy = jaxtopk.FixedK(3)
     want = jaxtopk.decode_attention(qd, index, policy=policy)
-    with self.assertRaisesRegex(_ops.UnsupportedCacheError, "IndexedKVCache"):
+    refused = registry.UnsupportedCacheError  # a ValueError
+    with self.assertRaisesRegex(refused, "IndexedKVCache"):
       jaxtopk.decode_attention(
         qd, index, policy=policy, implementation="pallas"
       )
@@ -110,7 +112,7 @@ class OpsTest(absltest.TestCase):
       qd, index, policy=policy, implementation=("pallas", "xla")
     )
     _equal(got, want)
-    with self.assertRaisesRegex(_ops.UnsupportedCacheError, "dict"):
+    with self.assertRaisesRegex(refused, "dict"):
       jaxtopk.decode_attention(qd, {}, policy=policy)
 
   def test_decode_traced_scale_falls_through(self):
@@ -148,11 +150,11 @@ class OpsTest(absltest.TestCase):
       _equal(got, want)
       self.assertLen(calls, 1)
     finally:
-      del _ops.OPS["refusing_prefill"]
+      del registry.OPS["refusing_prefill"]
 
   def test_declarations_checked(self):
     with self.assertRaisesRegex(ValueError, "unknown arguments"):
-      _ops.AttentionOp(
+      registry.AttentionOp(
         name="bad",
         implementation="bad",
         kind="prefill",
@@ -161,7 +163,7 @@ class OpsTest(absltest.TestCase):
         arguments=frozenset({"dropout"}),
       )
     with self.assertRaisesRegex(ValueError, "cache types"):
-      _ops.AttentionOp(
+      registry.AttentionOp(
         name="bad", implementation="bad", kind="decode", fn=None, label="bad"
       )
 
