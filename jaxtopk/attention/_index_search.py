@@ -69,6 +69,7 @@ from jax import lax
 from jax.scipy.special import logsumexp
 
 from jaxtopk import selection
+from jaxtopk.attention import _decode
 from jaxtopk.attention import checks
 from jaxtopk.attention import registry
 from jaxtopk.attention._index import IndexedKVCache
@@ -804,8 +805,6 @@ def _codes_decode(query, index, policy, scale, dyn_scale=None):
   does, the exact search runs); ``max_topk`` (which the group search does
   not cap) takes the exact search.
   """
-  from jaxtopk.attention import _decode
-
   auto = isinstance(policy.search, selection.Auto)
   full = functools.partial(
     _full_decode, query, index, dyn_scale, policy=policy, scale=scale
@@ -950,8 +949,6 @@ def _index_sample(query, index, dyn_scale=None, *, eps, scale):
   """``[b, 1, h]`` (the row's kv head looks concentrated enough for the
   codes, the sample's cost) from the codes of ``AUTO_SAMPLE`` stored keys
   of each row (``_decode.auto_sample_positions``; ``_decode``'s rule)."""
-  from jaxtopk.attention import _decode
-
   scale, _ = _scale_of(scale, dyn_scale)
   m = _decode.AUTO_SAMPLE
   b, _, h, d = query.shape
