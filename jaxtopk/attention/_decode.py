@@ -44,13 +44,16 @@ strategy honours ``Certified.max_topk``.
 import dataclasses
 import functools
 from collections.abc import Callable
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxtopk.attention import checks
+from jaxtopk.attention import registry
 from jaxtopk.attention._cache import KVCache
+from jaxtopk.selection import FEATURES
 from jaxtopk.selection import Auto
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Certified
@@ -105,13 +108,36 @@ CODES_SMALL = 8
 CODES_CHUNK = 1024
 _HIGHEST = core.PRECISION  # full float32 products (the bounds assume it)
 
-DECODE_IMPLEMENTATIONS: dict[str | None, Callable] = {}
+# ``{implementation name: fn}`` of the registered decode ops over a KVCache
+# (read-only, from ``registry.OPS``; None is the default).
+DECODE_IMPLEMENTATIONS = registry.ImplementationView("decode", KVCache)
 
 
 def register_decode_implementation(name: str, fn: Callable) -> None:
-  """Plugs a backend into ``decode_attention`` (same signature as
-  ``xla_decode_attention``)."""
-  DECODE_IMPLEMENTATIONS[name] = fn
+  """Plugs a backend over a KVCache into ``decode_attention`` (an op).
+
+  Kept for compatibility: ``fn`` has the signature of
+  ``xla_decode_attention`` (checked arguments) and refuses by itself what
+  it cannot honour (the op declares every policy feature); registering an
+  ``registry.AttentionOp`` declares that instead.
+  """
+
+  def op_fn(query, cache, *, policy, scale, key):
+    scale, rng = checks.check_decode_call(query, cache, policy, scale, key)
+    return fn(query, cache, rng, policy=policy, scale=scale)
+
+  registry.register(
+    registry.AttentionOp(
+      name=f"{name}_decode",
+      implementation=name,
+      kind="decode",
+      fn=op_fn,
+      label=f"decode_attention(implementation={name!r})",
+      supports=FEATURES,
+      arguments=registry.DECODE_ARGUMENTS,
+      cache_types=(KVCache,),
+    )
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -908,8 +934,23 @@ def xla_decode_attention(query, cache, rng, *, policy, scale):
   return _xla_decode(query, cache, rng, scale, policy=policy, static_scale=None)
 
 
-DECODE_IMPLEMENTATIONS[None] = xla_decode_attention
-DECODE_IMPLEMENTATIONS["xla"] = xla_decode_attention
+def _xla_op(query, cache, *, policy, scale, key):
+  scale, rng = checks.check_decode_call(query, cache, policy, scale, key)
+  return xla_decode_attention(query, cache, rng, policy=policy, scale=scale)
+
+
+XLA_DECODE = registry.register(
+  registry.AttentionOp(
+    name="xla_decode",
+    implementation="xla",
+    kind="decode",
+    fn=_xla_op,
+    label=_BACKEND,
+    supports=SUPPORTS,
+    arguments=registry.DECODE_ARGUMENTS,
+    cache_types=(KVCache,),
+  )
+)
 
 
 def decode_attention(
@@ -918,7 +959,7 @@ def decode_attention(
   *,
   policy: Policy,
   scale=None,
-  implementation: str | None = None,
+  implementation: str | Sequence[str] | None = None,
   key=None,
 ) -> tuple[jax.Array, Certificate]:
   """Top-k attention of one new query per sequence over a KVCache.
@@ -934,6 +975,10 @@ def decode_attention(
   row then reports its true, larger bound). See the module docstring for
   how the XLA path stays close to the cost of the logits.
 
+  The op is chosen from the registry (``attention.registry``) by
+  ``implementation`` and the cache's type: over an IndexedKVCache 'xla' is
+  the content index's search (``attention._index_search``).
+
   Args:
     query: ``[batch, 1, num_heads, head_dim]``; num_heads a multiple of the
       cache's kv heads.
@@ -942,7 +987,10 @@ def decode_attention(
     scale: logit scale, default 1/sqrt(head_dim); a number >= float32's
       smallest normal (``core.MIN_SCALE``), or a JAX scalar (traced OK; rows
       are invalid where it is not finite and >= ``core.MIN_SCALE``).
-    implementation: None or 'xla', or a registered backend.
+    implementation: None or 'xla', a registered implementation ('pallas';
+      'sharded' under ``jax.set_mesh``), or a sequence of them tried in
+      order: one that refuses the call (a policy field, the scale, the
+      cache type, the platform) falls through to the next.
     key: PRNG key for Certified(search='mc').
 
   Returns:
@@ -953,42 +1001,27 @@ def decode_attention(
   Raises:
     TypeError: a non-policy, or a query that is not real floating.
     ValueError: on bad shapes, heads, scale or block size, or 'mc' without
-      a key.
+      a key, or an unknown implementation.
     UnsupportedPolicyError: a policy field the implementation cannot honour
       (named).
+    UnsupportedCacheError: (a ValueError) no op of the implementation
+      attends over the cache's type.
     NotImplementedError: for an unregistered 'pallas' implementation.
   """
   query = checks.check_array(query, "query")
-  if hasattr(cache, "decode_attention"):  # e.g. an IndexedKVCache (_index.py)
-    return cache.decode_attention(
-      query, policy=policy, scale=scale, implementation=implementation, key=key
-    )
   if not isinstance(policy, Policy):
     raise TypeError(f"{policy=} must be a jaxtopk selection policy")
-  b, hk, _, d = cache.keys.shape
-  if query.ndim != 4 or query.shape[:2] != (b, 1) or query.shape[3] != d:
-    raise ValueError(
-      f"query must be [batch={b}, 1, num_heads, head_dim={d}]; got"
-      f" {query.shape=}"
-    )
-  if query.shape[2] == 0 or query.shape[2] % hk:
-    raise ValueError(
-      f"num_heads={query.shape[2]} must be a positive multiple of"
-      f" num_kv_heads={hk}"
-    )
-  scale = checks.check_scale(scale, d)
-  if implementation not in DECODE_IMPLEMENTATIONS:
-    if implementation == "pallas":
-      raise NotImplementedError(
-        "implementation='pallas' is not registered yet; use None or 'xla'"
-      )
-    raise ValueError(
-      f"{implementation=} must be one of"
-      f" {sorted(map(str, DECODE_IMPLEMENTATIONS))}"
-    )
-  rng = checks.check_rng(policy, key)
-  return DECODE_IMPLEMENTATIONS[implementation](
-    query, cache, rng, policy=policy, scale=scale
+
+  def call(op):
+    return op.fn(query, cache, policy=policy, scale=scale, key=key)
+
+  return registry.dispatch(
+    "decode",
+    implementation,
+    call,
+    policy=policy,
+    cache=cache,
+    given=registry.scale_arguments(scale),
   )
 
 

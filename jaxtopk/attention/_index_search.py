@@ -69,7 +69,9 @@ from jax import lax
 from jax.scipy.special import logsumexp
 
 from jaxtopk import selection
+from jaxtopk.attention import _decode
 from jaxtopk.attention import checks
+from jaxtopk.attention import registry
 from jaxtopk.attention._index import IndexedKVCache
 from jaxtopk.attention._index import norm_up
 from jaxtopk.selection import core
@@ -715,38 +717,11 @@ def index_decode_attention(
       f"{implementation=} is not available for an IndexedKVCache; use None"
       " or 'xla'"
     )
-  by_codes = isinstance(policy, selection.Certified) and _index_by_codes(policy)
-  searching = isinstance(policy, selection.Certified) and (
-    policy.search.name in ("delta", "mc")
-  )
-  if by_codes:
-    # Auto honours max_topk (it then runs the exact search); the named
-    # code bound does not.
-    caps = ("policy=Certified", "search=exact", "search=delta", "bound=codes")
-    if isinstance(policy.search, selection.Auto):
-      caps += ("max_topk",)
-    policy.require(_BACKEND, selection.capabilities(*caps))
+  policy.require(_BACKEND, supports(policy))
+  if isinstance(policy, selection.Certified) and _index_by_codes(policy):
     return _codes_decode(query, index, policy, static, dynamic)
-  if not searching:
-    policy.require(
-      _BACKEND,
-      selection.capabilities(
-        "policy=Dense",
-        "policy=FixedK",
-        "policy=Ratio",
-        "policy=PowerLaw",
-        "policy=Certified",
-        "search=exact",
-        "max_topk",
-      ),
-    )
+  if not isinstance(policy, selection.Certified) or not _searching(policy):
     return _full_decode(query, index, dynamic, policy=policy, scale=static)
-  policy.require(
-    _BACKEND,
-    selection.capabilities(
-      "policy=Certified", "search=delta", "search=mc", "bound=box"
-    ),
-  )
   if policy.block_size != index.group_size:
     raise ValueError(
       f"Certified.block_size={policy.block_size} must equal the index's"
@@ -765,6 +740,46 @@ def index_decode_attention(
     scale=static,
   )
   return out, cert
+
+
+# What the index honours, by the path a policy takes (``supports``): every
+# key scored (the exact search, fixed counts); the group search bounded by
+# the key codes (Auto, which honours max_topk by scoring every key, or
+# bound='codes'); the group search bounded by the balls (delta, mc).
+_FULL = selection.capabilities(
+  "policy=Dense",
+  "policy=FixedK",
+  "policy=Ratio",
+  "policy=PowerLaw",
+  "policy=Certified",
+  "search=exact",
+  "max_topk",
+)
+_CODES = selection.capabilities(
+  "policy=Certified", "search=exact", "search=delta", "bound=codes"
+)
+_GROUPS = selection.capabilities(
+  "policy=Certified", "search=delta", "search=mc", "bound=box"
+)
+
+
+def supports(policy) -> frozenset[str]:
+  """The policy features ``decode_attention`` over an index honours for
+  ``policy`` (its op's ``supports_fn``)."""
+  if isinstance(policy, selection.Certified) and _index_by_codes(policy):
+    if isinstance(policy.search, selection.Auto):
+      return _CODES | {"max_topk"}
+    return _CODES
+  if _searching(policy):
+    return _GROUPS
+  return _FULL
+
+
+def _searching(policy) -> bool:
+  """Certified with a group search (delta or mc)."""
+  return isinstance(policy, selection.Certified) and (
+    policy.search.name in ("delta", "mc")
+  )
 
 
 def _index_by_codes(policy) -> bool:
@@ -790,8 +805,6 @@ def _codes_decode(query, index, policy, scale, dyn_scale=None):
   does, the exact search runs); ``max_topk`` (which the group search does
   not cap) takes the exact search.
   """
-  from jaxtopk.attention import _decode
-
   auto = isinstance(policy.search, selection.Auto)
   full = functools.partial(
     _full_decode, query, index, dyn_scale, policy=policy, scale=scale
@@ -936,8 +949,6 @@ def _index_sample(query, index, dyn_scale=None, *, eps, scale):
   """``[b, 1, h]`` (the row's kv head looks concentrated enough for the
   codes, the sample's cost) from the codes of ``AUTO_SAMPLE`` stored keys
   of each row (``_decode.auto_sample_positions``; ``_decode``'s rule)."""
-  from jaxtopk.attention import _decode
-
   scale, _ = _scale_of(scale, dyn_scale)
   m = _decode.AUTO_SAMPLE
   b, _, h, d = query.shape
@@ -1363,3 +1374,23 @@ def _kept_positions(index, scored, pos):
   mem = mem.reshape(b, hk, g, -1)
   rows = rows.at[bi, hi, gi, mem].set(True, mode="drop")
   return rows.reshape(b, 1, hk * g, n)
+
+
+def _index_op(query, cache, *, policy, scale, key):
+  return index_decode_attention(
+    query, cache, policy=policy, scale=scale, key=key
+  )
+
+
+INDEX_DECODE = registry.register(
+  registry.AttentionOp(
+    name="index_decode",
+    implementation="xla",
+    kind="decode",
+    fn=_index_op,
+    label=_BACKEND,
+    supports_fn=supports,
+    arguments=registry.DECODE_ARGUMENTS,
+    cache_types=(IndexedKVCache,),
+  )
+)

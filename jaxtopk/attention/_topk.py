@@ -14,33 +14,43 @@ negligible under Delta-Search).
 The kept set is chosen on stop-gradient logits (it is piecewise constant);
 gradients flow through the softmax over the kept keys (THEORY 8.2).
 
-Backends are looked up in ``IMPLEMENTATIONS`` (name -> callable with the
-signature of ``xla_topk_attention``); ``jaxtopk.kernels`` registers 'pallas'
-with ``register_implementation``. Every argument is checked here
-(``attention.checks``) before any backend runs; a backend refuses by name
-what it cannot do.
+Paths are ops of the one registry (``attention.registry``): this module
+registers 'xla_prefill'; ``jaxtopk.kernels`` and ``jaxtopk.parallel``
+register theirs. Every argument is checked here (``attention.checks``)
+before any op runs; ``implementation=`` (a name or a sequence tried in
+order) chooses the op, and an op refuses by name what it cannot do.
 """
 
 import functools
 from collections.abc import Callable
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxtopk.attention import _prefill
 from jaxtopk.attention import checks
+from jaxtopk.attention import registry
+from jaxtopk.selection import FEATURES
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Policy
 from jaxtopk.selection import core
 
-IMPLEMENTATIONS: dict[str | None, Callable] = {}
+# ``{implementation name: fn}`` of the registered prefill ops (read-only,
+# from ``registry.OPS``; None is the default).
+IMPLEMENTATIONS = registry.ImplementationView("prefill")
 
 # The name of this path in capability errors.
 BACKEND = "topk_attention(implementation='xla')"
 
 
 def register_implementation(name: str, fn: Callable) -> None:
-  """Plugs a backend (e.g. 'pallas') into ``topk_attention``.
+  """Plugs a backend into ``topk_attention`` (an op of ``attention.registry``).
+
+  Kept for compatibility: the op declares every policy feature and argument,
+  so ``fn`` itself refuses (raising ``UnsupportedPolicyError`` or
+  NotImplementedError naming the field) what it cannot honour; registering
+  an ``registry.AttentionOp`` declares that instead.
 
   Args:
     name: the value users pass as ``implementation=``.
@@ -53,7 +63,17 @@ def register_implementation(name: str, fn: Callable) -> None:
       ``lse`` None unless ``return_residual``). It raises naming any
       argument it cannot honour.
   """
-  IMPLEMENTATIONS[name] = fn
+  registry.register(
+    registry.AttentionOp(
+      name=f"{name}_prefill",
+      implementation=name,
+      kind="prefill",
+      fn=fn,
+      label=f"topk_attention(implementation={name!r})",
+      supports=FEATURES,
+      arguments=registry.PREFILL_ARGUMENTS,
+    )
+  )
 
 
 def causal_mask(q_len: int, kv_len: int) -> jax.Array:
@@ -251,8 +271,17 @@ def xla_topk_attention(
   return out, cert, lse
 
 
-IMPLEMENTATIONS[None] = xla_topk_attention
-IMPLEMENTATIONS["xla"] = xla_topk_attention
+XLA_PREFILL = registry.register(
+  registry.AttentionOp(
+    name="xla_prefill",
+    implementation="xla",
+    kind="prefill",
+    fn=xla_topk_attention,
+    label=BACKEND,
+    supports=_prefill.SUPPORTS,
+    arguments=registry.PREFILL_ARGUMENTS,
+  )
+)
 
 
 def _checked(query, key, value, policy, mask, bias, is_causal, scale):
@@ -304,7 +333,7 @@ def topk_attention(
   query_seq_lengths=None,
   key_value_seq_lengths=None,
   local_window_size: int | tuple[int, int] | None = None,
-  implementation: str | None = None,
+  implementation: str | Sequence[str] | None = None,
   return_residual: bool = False,
   policy: Policy,
   values_bound: bool = True,
@@ -371,8 +400,11 @@ def topk_attention(
       masked.
     local_window_size: optional ``(left, right)`` ints >= 0, or one int for
       both: query i sees keys i - left .. i + right only (as jax.nn).
-    implementation: None or 'xla' (this path), or a registered backend such
-      as 'pallas' (which refuses by name what it cannot do).
+    implementation: None or 'xla' (this path), a registered implementation
+      such as 'pallas' or 'sharded' (under ``jax.set_mesh``), or a
+      sequence of them tried in order, e.g. ``('pallas', 'xla')``: one
+      that refuses the call (a policy field, argument, mask or platform it
+      does not support) falls through to the next (``attention.registry``).
     return_residual: also return the log-sum-exp residual (below).
     policy: a selection policy (``Dense``, ``FixedK``, ``Ratio``,
       ``PowerLaw``, ``Certified``); fields a backend cannot honour are
@@ -401,9 +433,11 @@ def topk_attention(
     ValueError: bad shapes, mismatched heads, a scale not finite or below
       float32's smallest normal, a negative window, an unknown
       implementation.
-    UnsupportedPolicyError: a policy field the backend cannot honour.
-    NotImplementedError: an argument the chosen backend cannot honour
-      (named), or 'pallas' when it is not registered.
+    UnsupportedPolicyError: a policy field the implementation cannot honour
+      (every implementation of a sequence refusing: one error naming each
+      refusal).
+    NotImplementedError: an argument the chosen implementation cannot
+      honour (named), or 'pallas' when it is not registered.
 
   Example:
     >>> import jax, jaxtopk
@@ -432,24 +466,25 @@ def topk_attention(
   ):
     if not isinstance(flag, bool):
       raise TypeError(f"{name}={flag!r} must be a bool")
-  if implementation not in IMPLEMENTATIONS:
-    if implementation == "pallas":
-      raise NotImplementedError(
-        "implementation='pallas' is not registered yet; use None or 'xla'"
+  given = registry.prefill_arguments(
+    bias=bias,
+    mask=mask,
+    is_causal=is_causal,
+    query_seq_lengths=lens[0],
+    key_value_seq_lengths=lens[1],
+    local_window_size=window,
+    return_residual=return_residual,
+    scale=scale,
+  )
+
+  def call(op):
+    if dims.empty:
+      out, cert = checks.empty_result(
+        dims, query.dtype, values_bound=values_bound
       )
-    raise ValueError(
-      f"{implementation=} must be one of {sorted(map(str, IMPLEMENTATIONS))}"
-    )
-  if implementation in (None, "xla"):
-    checks.check_policy(policy, BACKEND, _prefill.SUPPORTS)
-  if dims.empty:
-    out, cert = checks.empty_result(
-      dims, query.dtype, values_bound=values_bound
-    )
-    dt = core.compute_dtype(query.dtype)
-    lse = jnp.full(cert.shape, jnp.finfo(dt).min, dt)  # log 0, finite
-  else:
-    out, cert, lse = IMPLEMENTATIONS[implementation](
+      dt = core.compute_dtype(query.dtype)
+      return out, cert, jnp.full(cert.shape, jnp.finfo(dt).min, dt)  # log 0
+    return op.fn(
       query,
       key,
       value,
@@ -464,6 +499,15 @@ def topk_attention(
       values_bound=values_bound,
       return_residual=return_residual,
     )
+
+  out, cert, lse = registry.dispatch(
+    "prefill",
+    implementation,
+    call,
+    policy=policy,
+    given=given,
+    mask_shape=None if mask is None else jnp.shape(mask),
+  )
   if not batched:
     out = out[0]
     cert = jax.tree.map(lambda x: x[0], cert)

@@ -41,6 +41,8 @@ Names:
 - ``scale_ok(scale)``: bool, for the validity rule of a dynamic scale.
 - ``check_policy(policy, backend, supports)``: a Policy the backend honours.
 - ``check_rng(policy, key)``: a PRNG key where the search needs one.
+- ``check_decode_call(query, cache, policy, scale, key)``: a decode call
+  over a KVCache (query shape, scale, PRNG key), for its ops.
 - ``empty_result(...)``: the defined result for q_len = 0 or kv_len = 0.
 """
 
@@ -407,6 +409,33 @@ def check_policy(policy, backend: str, supports: Iterable[str]) -> None:
       " PowerLaw or Certified"
     )
   policy.require(backend, supports)
+
+
+def check_decode_call(query, cache, policy, scale, key):
+  """The checks of a decode call over a KVCache, shared by its ops: the
+  query ``[batch, 1, num_heads, head_dim]`` against the cache's
+  ``[batch, num_kv_heads, max_len, head_dim]`` keys, the scale, the PRNG
+  key.
+
+  Returns:
+    ``(scale, rng)``: ``check_scale``'s scale and ``check_rng``'s key.
+
+  Raises:
+    ValueError: a query shape that does not fit the cache, a bad scale,
+      MC-Search without a key.
+  """
+  b, hk, _, d = cache.keys.shape
+  if query.ndim != 4 or query.shape[:2] != (b, 1) or query.shape[3] != d:
+    raise ValueError(
+      f"query must be [batch={b}, 1, num_heads, head_dim={d}]; got"
+      f" {query.shape=}"
+    )
+  if query.shape[2] == 0 or query.shape[2] % hk:
+    raise ValueError(
+      f"num_heads={query.shape[2]} must be a positive multiple of"
+      f" num_kv_heads={hk}"
+    )
+  return check_scale(scale, d), check_rng(policy, key)
 
 
 def check_rng(policy, key):

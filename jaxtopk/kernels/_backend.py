@@ -1,8 +1,10 @@
 """``implementation='pallas'`` for ``topk_attention`` and ``decode_attention``.
 
-Registered with the attention layer's hooks when ``jaxtopk.kernels`` is
-imported (``jaxtopk`` imports it). Every policy field is honoured or refused
-by name (``Policy.require`` with the capabilities below):
+Two ops of the attention registry (``attention.registry``), 'pallas_prefill'
+and 'pallas_decode' (``PREFILL_OP``, ``DECODE_OP``), registered when
+``jaxtopk.kernels`` is imported (``jaxtopk`` imports it). Every policy field
+is honoured or refused by name (``Policy.require`` with the capabilities
+below), and so is every argument (the ops' declarations):
 
 - prefill (``PREFILL_SUPPORTS``): ``Dense()`` and ``Certified(eps)`` with
   the exact search: every logit is scored by ``block_stats`` and whole key
@@ -32,8 +34,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxtopk import attention
+from jaxtopk.attention import KVCache
 from jaxtopk.attention import checks
+from jaxtopk.attention import registry
 from jaxtopk.kernels import _decode
 from jaxtopk.kernels import _prefill
 from jaxtopk.kernels import _sparse_flash
@@ -81,16 +84,12 @@ def _max_blocks(policy, block_size, backend) -> int | None:
 
 
 def _key_padding(mask, b, s):
-  """``[b, s]`` key mask from a mask broadcastable to [b, h, t, s]."""
+  """``[b, s]`` key mask from a key-padding mask (``PREFILL_OP.masks``)
+  broadcastable to [b, h, t, s]."""
   if mask is None:
     return None
   mask = jnp.asarray(mask, bool)
   shape = (1,) * (4 - mask.ndim) + mask.shape
-  if shape[1] != 1 or shape[2] != 1:
-    raise NotImplementedError(
-      f"{PREFILL} supports key-padding masks that broadcast from [batch, 1,"
-      f" 1, kv_len]; got mask.shape={jnp.shape(mask)}."
-    )
   return jnp.broadcast_to(mask.reshape(shape)[:, 0, 0, :], (b, s))
 
 
@@ -121,19 +120,22 @@ def pallas_topk_attention(
   """
   query, key, value, dims = checks.check_qkv(query, key, value)
   checks.check_policy(policy, PREFILL, PREFILL_SUPPORTS)
-  for name, given in (
-    ("bias", bias is not None),
-    ("query_seq_lengths", query_seq_lengths is not None),
-    ("local_window_size", local_window_size is not None),
-    ("return_residual", bool(return_residual)),
-  ):
-    if given:
-      raise NotImplementedError(
-        f"{PREFILL} does not take {name}=; use implementation='xla'"
-      )
   is_causal = checks.check_is_causal(is_causal)
   mask = checks.check_mask(mask, dims.logits_shape)
-  scale = _static_scale(scale, dims.head_dim, PREFILL)
+  scale = checks.check_scale(scale, dims.head_dim)
+  given = registry.prefill_arguments(
+    bias=bias,
+    mask=mask,
+    is_causal=is_causal,
+    query_seq_lengths=query_seq_lengths,
+    key_value_seq_lengths=key_value_seq_lengths,
+    local_window_size=local_window_size,
+    return_residual=bool(return_residual),
+    scale=scale,
+  )
+  PREFILL_OP.require(
+    policy, given=given, mask_shape=None if mask is None else mask.shape
+  )
   certified = isinstance(policy, Certified)
   block_k = policy.block_size if certified else _DENSE_BLOCK
   max_blocks = _max_blocks(policy, block_k, PREFILL)
@@ -215,7 +217,34 @@ def _decode_splits(cache) -> int:
   return max(1, min(8, cache.num_blocks // 16))
 
 
+def _decode_op(query, cache, *, policy, scale, key):
+  """``pallas_decode_attention`` as the registry calls it (unchecked)."""
+  scale, rng = checks.check_decode_call(query, cache, policy, scale, key)
+  return pallas_decode_attention(query, cache, rng, policy=policy, scale=scale)
+
+
+PREFILL_OP = registry.AttentionOp(
+  name="pallas_prefill",
+  implementation="pallas",
+  kind="prefill",
+  fn=_registered_prefill,
+  label=PREFILL,
+  supports=PREFILL_SUPPORTS,
+  arguments=frozenset({"mask", "is_causal", "key_value_seq_lengths"}),
+  masks="padding",
+)
+DECODE_OP = registry.AttentionOp(
+  name="pallas_decode",
+  implementation="pallas",
+  kind="decode",
+  fn=_decode_op,
+  label=DECODE,
+  supports=DECODE_SUPPORTS,
+  cache_types=(KVCache,),  # a static scale only: no 'traced_scale'
+)
+
+
 def register() -> None:
   """Registers 'pallas' with ``topk_attention`` and ``decode_attention``."""
-  attention.register_implementation("pallas", _registered_prefill)
-  attention.register_decode_implementation("pallas", pallas_decode_attention)
+  registry.register(PREFILL_OP)
+  registry.register(DECODE_OP)

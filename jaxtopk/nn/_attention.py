@@ -123,7 +123,8 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     in_kv_features: input features of keys/values (default ``in_features``).
     policy: the selection policy: ``jaxtopk.Dense()``, ``FixedK(topk)``,
       ``Ratio(rho)``, ``PowerLaw(alpha, c)`` or ``Certified(eps, ...)``.
-    implementation: ``'xla'``, ``'pallas'`` or None (library default).
+    implementation: ``'xla'``, ``'pallas'``, None (library default), or a
+      sequence tried in order (``jaxtopk.topk_attention``).
     dropout_rate: as nnx.MultiHeadAttention, but a call that would apply it
       raises (difference 1).
     **kwargs: every other keyword of ``nnx.MultiHeadAttention`` (``dtype``,
@@ -161,12 +162,12 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     in_kv_features: int | None = None,
     *,
     policy: Policy,
-    implementation: str | None = None,
+    implementation: str | tuple[str, ...] | None = None,
     rngs: rnglib.Rngs,
     **kwargs: Any,
   ):
     check_policy(policy)
-    check_implementation(implementation)
+    implementation = check_implementation(implementation)
     if "attention_fn" in kwargs:
       raise TypeError(
         "CertifiedTopKAttention fixes attention_fn; pass policy= instead, "

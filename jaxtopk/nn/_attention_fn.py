@@ -33,11 +33,10 @@ from flax import linen
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from jaxtopk.attention import registry
 from jaxtopk.attention import topk_attention
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Policy
-
-IMPLEMENTATIONS = (None, "xla", "pallas")
 
 CERTIFICATE_NAME = "certificate"
 
@@ -52,13 +51,13 @@ def check_policy(policy: Any) -> Policy:
   return policy
 
 
-def check_implementation(implementation: Any) -> str | None:
-  """Returns ``implementation`` if valid, else raises ValueError."""
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-      f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}"
-    )
-  return implementation
+def check_implementation(implementation: Any) -> str | tuple[str, ...] | None:
+  """``implementation`` (a sequence as a tuple: hashable), if every name is
+  a registered implementation (``attention.registry``), else ValueError."""
+  registry.names(implementation, "prefill")
+  if isinstance(implementation, str) or implementation is None:
+    return implementation
+  return tuple(implementation)
 
 
 def check_flax_shapes(query, key, value) -> None:
@@ -114,7 +113,7 @@ def certified_attention(
   bias: jax.Array | None = None,
   is_causal: bool = False,
   dtype: Any = None,
-  implementation: str | None = None,
+  implementation: str | tuple[str, ...] | None = None,
   promote_dtype: Callable[..., Any] = dtypes.promote_dtype,
 ) -> tuple[jax.Array, Certificate]:
   """Top-k attention in Flax's layout, returning ``(output, Certificate)``.
@@ -130,7 +129,8 @@ def certified_attention(
     bias: additive logit bias, broadcastable like ``mask``.
     is_causal: apply a causal mask (query i sees keys j <= i).
     dtype: compute dtype for q, k, v (None: promote the inputs).
-    implementation: ``'xla'``, ``'pallas'`` or None (library default).
+    implementation: ``'xla'``, ``'pallas'``, None (library default), or a
+      sequence tried in order (``jaxtopk.topk_attention``).
     promote_dtype: Flax's dtype promotion function.
 
   Returns:
@@ -138,7 +138,7 @@ def certified_attention(
     Certificate with arrays ``[batch..., q_len, num_heads]``.
   """
   check_policy(policy)
-  check_implementation(implementation)
+  implementation = check_implementation(implementation)
   query, key, value = promote_dtype((query, key, value), dtype=dtype)
   check_flax_shapes(query, key, value)
   batch_shape = query.shape[:-3]
@@ -195,7 +195,7 @@ def sow_certificate(module: Any, cert: Certificate) -> None:
 
 
 def topk_attention_fn(
-  policy: Policy, *, implementation: str | None = None
+  policy: Policy, *, implementation: str | tuple[str, ...] | None = None
 ) -> Callable[..., jax.Array]:
   """An ``attention_fn`` for Flax attention modules running Top-k attention.
 
@@ -207,7 +207,8 @@ def topk_attention_fn(
 
   Args:
     policy: the selection policy; validated here.
-    implementation: ``'xla'``, ``'pallas'`` or None (library default).
+    implementation: ``'xla'``, ``'pallas'``, None (library default), or a
+      sequence tried in order (``jaxtopk.topk_attention``).
 
   Returns:
     ``attention_fn(query, key, value, bias=None, mask=None, ...)`` with the
@@ -234,7 +235,7 @@ def topk_attention_fn(
     (3, 5, 6)
   """
   check_policy(policy)
-  check_implementation(implementation)
+  implementation = check_implementation(implementation)
 
   def attention_fn(
     query: jax.Array,

@@ -33,7 +33,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxtopk.attention import KVCache
 from jaxtopk.attention import checks
+from jaxtopk.attention import registry
 from jaxtopk.parallel import _compat
 from jaxtopk.parallel import _kv_sharded
 from jaxtopk.parallel import _mesh
@@ -258,3 +260,28 @@ def sharded_decode_attention(
   if dynamic:
     return fn(*args, scale)
   return fn(*args)
+
+
+def _decode_op(query, cache, *, policy, scale, key):
+  """``sharded_decode_attention`` over the mesh of ``jax.set_mesh``, as the
+  registry calls it (unchecked arguments)."""
+  del key  # no random search here (MC-Search is refused)
+  mesh = _mesh.context_mesh(DECODE_OP.label)
+  return sharded_decode_attention(
+    query, cache, policy=policy, mesh=mesh, scale=scale
+  )
+
+
+# ``decode_attention(implementation='sharded')`` under ``jax.set_mesh``.
+DECODE_OP = registry.register(
+  registry.AttentionOp(
+    name="sharded_decode",
+    implementation="sharded",
+    kind="decode",
+    fn=_decode_op,
+    label="decode_attention(implementation='sharded')",
+    supports=_kv_sharded.SUPPORTS,
+    arguments=registry.DECODE_ARGUMENTS,
+    cache_types=(KVCache,),
+  )
+)

@@ -32,6 +32,7 @@ which this path does not keep: ``Certified(..., search='delta' | 'mc')`` is
 refused by name (``UnsupportedPolicyError``), never silently run as exact.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -40,6 +41,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxtopk.attention import checks
+from jaxtopk.attention import registry
 from jaxtopk.parallel import _compat
 from jaxtopk.parallel import _global_select
 from jaxtopk.parallel import _mesh
@@ -52,7 +54,9 @@ from jaxtopk.selection import core
 
 _HIGHEST = core.PRECISION  # full float32 products (the bounds assume it)
 
-# What the KV-sharded paths honour (every other policy field is refused).
+# What the KV-sharded paths honour (every other policy field is refused):
+# the policy features of the registry's 'sharded_prefill' and
+# 'sharded_decode' ops.
 SUPPORTS = capabilities(
   "policy=Dense",
   "policy=FixedK",
@@ -551,3 +555,55 @@ def sharded_topk_attention(
   if dynamic:
     return fn(query, key, value, mask, bias, scale)
   return fn(query, key, value, mask, bias)
+
+
+def _prefill_op(
+  query,
+  key,
+  value,
+  *,
+  policy,
+  mask,
+  bias,
+  is_causal,
+  scale,
+  values_bound,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
+  local_window_size=None,
+  return_residual=False,
+):
+  """``sharded_topk_attention`` over the mesh of ``jax.set_mesh``, as the
+  registry calls it (the arguments it does not take are refused there)."""
+  del query_seq_lengths, key_value_seq_lengths, local_window_size
+  del return_residual
+  mesh = _mesh.context_mesh(PREFILL_OP.label)
+  out, cert = sharded_topk_attention(
+    query,
+    key,
+    value,
+    policy=policy,
+    mesh=mesh,
+    mask=mask,
+    bias=bias,
+    is_causal=is_causal,
+    scale=scale,
+  )
+  if not values_bound:
+    cert = dataclasses.replace(cert, output_error_bound=None)
+  return out, cert, None
+
+
+# ``topk_attention(implementation='sharded')`` under ``jax.set_mesh``: the
+# mesh's axes 'data', 'heads' and 'kv' (``parallel.AXES``) are sharded.
+PREFILL_OP = registry.register(
+  registry.AttentionOp(
+    name="sharded_prefill",
+    implementation="sharded",
+    kind="prefill",
+    fn=_prefill_op,
+    label="topk_attention(implementation='sharded')",
+    supports=SUPPORTS,
+    arguments=frozenset({"mask", "bias", "is_causal", "traced_scale"}),
+  )
+)

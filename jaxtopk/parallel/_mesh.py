@@ -166,6 +166,30 @@ def axis_or_none(mesh: jax.sharding.Mesh, name: str | None) -> str | None:
   return name
 
 
+def context_mesh(user: str):
+  """The mesh of ``jax.set_mesh`` (the abstract one inside jit).
+
+  Args:
+    user: how errors name the caller, e.g.
+      "topk_attention(implementation='sharded')".
+
+  Raises:
+    NotImplementedError: no mesh is set (a refusal of the registry's
+      sharded ops: ``('sharded', 'xla')`` then runs 'xla').
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    raise NotImplementedError(
+      f"{user} needs a mesh: call it under jax.set_mesh(mesh) (axes named"
+      f" {AXES} are sharded)"
+    )
+  try:
+    concrete = jax.sharding.get_mesh()  # outside jit: the device mesh
+  except ValueError:  # inside jit, only the abstract mesh is known
+    return mesh
+  return mesh if concrete.empty else concrete
+
+
 def attention_specs(
   mesh: jax.sharding.Mesh,
   *,

@@ -312,12 +312,19 @@ class IndexTest(parameterized.TestCase):
       B, MAX_LEN, HK, D, block_size=C, value_dim=DV
     )
     cache = cache.append(k, v, num_steps=jnp.array([N, 30]))
-    for pol in (jaxtopk.FixedK(5), jaxtopk.Certified(0.05)):
+    for pol in (jaxtopk.FixedK(5), jaxtopk.Certified(0.05), jaxtopk.Dense()):
       o1, c1 = jaxtopk.decode_attention(q, index, policy=pol)
       o2, c2 = jaxtopk.decode_attention(q, cache, policy=pol)
       np.testing.assert_allclose(o1, o2, atol=1e-5, rtol=1e-5)
       np.testing.assert_array_equal(c1.k_kept, c2.k_kept)
       np.testing.assert_array_equal(c1.keys_scored, [[[N] * H], [[30] * H]])
+      # Same keys, same kept set: the index's bounds are not looser than
+      # the cache's (each rounding term counted once; with Dense the bound
+      # is that term alone). The two paths bound the logits' rounding from
+      # their own key summaries: equal up to a few ulps.
+      for field in ("tv_bound", "output_error_bound"):
+        a, b = getattr(c1, field), getattr(c2, field)
+        np.testing.assert_array_less(a, b * (1 + 1e-5) + 1e-30, err_msg=field)
 
   def test_selection_defined_results(self):
     k, v, q = _clustered()

@@ -6,16 +6,20 @@ layout of ``families`` (q ``[B, T, H, D]``, k ``[B, N, HK, D]``, v ``[B, N,
 HK, E]``, mask ``[B, 1, T, N]`` bool or None, bias ``[B, H, T, N]`` or
 None; output ``[B, T, H, E]``, Certificate ``[B, T, H]``), and what it takes:
 
+- ``ops``: the ops of the attention registry (``jaxtopk.attention.registry``)
+  it runs on. What it supports is DERIVED from them: ``supports`` (the
+  policy features it honours, the intersection of its ops'; every other
+  policy must be refused with an error naming the field,
+  ``Policy.require``), ``bias`` and ``masks`` of a variant made by
+  ``_of_op``. Registering an op is what puts it under this contract:
+  ``registry_test`` checks that every registered op is some variant's op;
 - ``bias``: whether it takes an additive bias (a variant that does not is
   never given one: that input is not part of its signature);
 - ``masks``: 'any' (per-row masks) or 'padding' (key-padding masks only; a
   per-row mask must be REFUSED with an error naming the mask);
 - ``grad``: whether gradients flow (prefill paths);
-- ``supports``: the policy features it honours; every other policy must be
-  refused with an error naming the field (``Policy.require``);
-  ``supports_fn(policy)`` instead where that depends on the policy (the
-  index honours ``max_topk`` with the exact search, not with its group
-  searches);
+- ``supports``: for a variant on no op (a given set), the policy features
+  it honours;
 - ``effective``: optional map from the inputs to what the attention core
   really receives (the Flax layers project q, k, v: identity projections
   here, which XLA on CPU computes with subnormals flushed), for the
@@ -49,6 +53,7 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import parallel
+from jaxtopk.attention import registry
 from jaxtopk.selection import FEATURES
 from jaxtopk.selection import Certified
 from jaxtopk.selection import capabilities
@@ -57,7 +62,6 @@ from tests.contract import families as fam
 from tests.contract import policies as pol
 
 ALL = FEATURES
-BOX = ALL - {"bound=lowrank"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,7 @@ class Variant:
 
   name: str
   build: Callable
+  ops: tuple[str, ...] = ()
   kind: str = "prefill"
   bias: bool = True
   masks: str = "any"
@@ -73,7 +78,6 @@ class Variant:
   supports: frozenset = ALL
   effective: Callable | None = None
   head_dim: int = fam.D  # q/k head dim the path sees (sets the scale)
-  supports_fn: Callable | None = None
   # The supported policies crossed in CI (None: all). A variant whose cells
   # each compile a whole loop (an index build, a decode loop) crosses one
   # policy per code path in CI; HYPOTHESIS_PROFILE=soak crosses them all.
@@ -89,10 +93,29 @@ class Variant:
     return float(1.0 / np.sqrt(self.head_dim))
 
   def supported(self, policy) -> frozenset:
-    """The features this variant honours for ``policy``."""
-    if self.supports_fn is None:
+    """The features this variant honours for ``policy``: those all its ops
+    honour (the registry's declarations), else ``supports``."""
+    if not self.ops:
       return self.supports
-    return self.supports_fn(policy)
+    return functools.reduce(
+      frozenset.intersection,
+      (registry.OPS[name].supported(policy) for name in self.ops),
+    )
+
+
+def _of_op(op_name: str, name: str, build: Callable, **kw) -> Variant:
+  """The variant of one op: kind, bias and masks from its declaration."""
+  op = registry.OPS[op_name]
+  return Variant(
+    name,
+    build,
+    ops=(op_name,),
+    kind=op.kind,
+    bias="bias" in op.arguments,
+    masks=op.masks,
+    grad=op.kind == "prefill",
+    **kw,
+  )
 
 
 def _prefill(implementation):
@@ -397,14 +420,6 @@ def _index_of(kk, vv, length, bs, appends):
   return index.append(kk[:, first:], vv[:, first:], num_steps=rest)
 
 
-def _index_supports(policy):
-  """The index refuses max_topk with its group searches (delta, mc)."""
-  box = ALL - {"bound=lowrank"}
-  if isinstance(policy, Certified) and not policy.search.scores_all:
-    return box - {"max_topk"}
-  return box
-
-
 def _index_decode(appends):
   def build(policy, dtype):
     bs = _block(policy)
@@ -580,85 +595,34 @@ def _flax_decode(policy, dtype):
   return fn
 
 
-_PALLAS_PREFILL = capabilities(
-  "policy=Dense", "policy=Certified", "search=exact", "max_topk"
-)
-_PALLAS_DECODE = capabilities(
-  "policy=Dense", "policy=Certified", "search=delta", "bound=box", "max_topk"
-)
-# The XLA prefill (and the Flax layer / attention_fn on it) refuses the
-# low-rank and key-code bounds by name (topk_attention docstring: no cache
-# keeps codes there).
-_XLA_PREFILL = ALL - {"bound=lowrank", "bound=codes", "search=mc"}
-_SHARDED = ALL - {
-  "search=delta",
-  "search=mc",
-  "bound=box",
-  "bound=lowrank",
-  "bound=codes",
-}
-# The layer's decode loop: decode_attention steps (BOX) and a masked step
-# (the XLA prefill: no MC-Search, and it refuses the key-code bound by name).
-_FLAX_DECODE = BOX - {"search=mc", "bound=codes"}
-
 # THE list: a variant joins by adding one line.
 VARIANTS = (
-  Variant("xla_prefill", _prefill(None), supports=_XLA_PREFILL),
-  Variant(
-    "xla_decode",
-    _decode(None),
-    kind="decode",
-    bias=False,
-    grad=False,
-    supports=BOX,
-  ),
-  Variant(
-    "pallas_prefill",
-    _prefill("pallas"),
-    bias=False,
-    masks="padding",
-    supports=_PALLAS_PREFILL,
-  ),
-  Variant(
-    "pallas_decode",
-    _decode("pallas"),
-    kind="decode",
-    bias=False,
-    grad=False,
-    supports=_PALLAS_DECODE,
-  ),
-  Variant("kv_sharded", _kv_sharded(3), supports=_SHARDED),
-  Variant(
-    "sharded_decode",
-    _sharded_decode(2),
-    kind="decode",
-    bias=False,
-    grad=False,
-    supports=_SHARDED,
-  ),
+  _of_op("xla_prefill", "xla_prefill", _prefill(None)),
+  _of_op("xla_decode", "xla_decode", _decode(None)),
+  _of_op("pallas_prefill", "pallas_prefill", _prefill("pallas")),
+  _of_op("pallas_decode", "pallas_decode", _decode("pallas")),
+  _of_op("sharded_prefill", "kv_sharded", _kv_sharded(3)),
+  _of_op("sharded_decode", "sharded_decode", _sharded_decode(2)),
   Variant(
     "flax_layer",
     _flax_layer,
+    ops=("xla_prefill",),
     bias=False,
     effective=_layer_effective,
     head_dim=fam.E,
-    supports=_XLA_PREFILL,
   ),
   Variant(
     "attention_fn",
     _attention_fn,
+    ops=("xla_prefill",),
     bias=False,
     effective=_layer_effective,
     head_dim=fam.E,
-    supports=_XLA_PREFILL,
   ),
-  Variant(
+  _of_op(
+    "index_decode",
     "index",
     _index_decode(appends=True),
-    kind="decode",
-    bias=False,
-    grad=False,
-    supports_fn=_index_supports,
     ci_policies=("fixed_k", "cert_delta"),
     low_precision=("bfloat16",),
   ),
@@ -672,25 +636,24 @@ VARIANTS = (
     ci_policies=("fixed_k", "cert_delta"),
     low_precision=("bfloat16",),
   ),
-  Variant(
+  _of_op(
+    "xla_decode",
     "cache_appends",
     _cache_appends,
-    kind="decode",
-    bias=False,
-    grad=False,
-    supports=BOX,
     ci_policies=("cert_delta",),
     low_precision=("bfloat16",),
   ),
+  # The layer's decode loop: decode_attention steps and a masked step (the
+  # XLA prefill).
   Variant(
     "flax_decode",
     _flax_decode,
+    ops=("xla_decode", "xla_prefill"),
     kind="decode",
     bias=False,
     grad=False,
     effective=_layer_effective,
     head_dim=fam.E,
-    supports=_FLAX_DECODE,
     ci_policies=("cert_delta",),
     low_precision=("bfloat16",),
     eager=False,

@@ -1,0 +1,172 @@
+"""The registry of attention ops (``attention.registry``): dispatch by name,
+sequence and cache type."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+
+import jaxtopk
+from jaxtopk.attention import registry
+from jaxtopk.selection import UnsupportedPolicyError
+
+B, T, N, H, HK, D = 1, 3, 8, 2, 1, 4
+BS = 4
+
+
+def _qkv():
+  ks = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(ks[0], (B, T, H, D))
+  k = jax.random.normal(ks[1], (B, N, HK, D))
+  v = jax.random.normal(ks[2], (B, N, HK, D))
+  return q, k, v
+
+
+def _cache(k, v):
+  cache = jaxtopk.init_kv_cache(B, N, HK, D, block_size=BS)
+  return jaxtopk.kv_cache_update(cache, k, v)
+
+
+def _equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
+class OpsTest(absltest.TestCase):
+  def test_registered_paths(self):
+    for name in ("xla_prefill", "xla_decode", "index_decode"):
+      self.assertIn(name, registry.OPS)
+    self.assertIn("pallas", registry.implementations("prefill"))
+    self.assertIn("pallas", registry.implementations("decode"))
+
+  def test_refused_policy_falls_through(self):
+    q, k, v = _qkv()
+    policy = jaxtopk.FixedK(3)  # the Pallas prefill keeps whole blocks
+    want = jaxtopk.topk_attention(q, k, v, policy=policy, implementation="xla")
+    got = jaxtopk.topk_attention(
+      q, k, v, policy=policy, implementation=("pallas", "xla")
+    )
+    _equal(got, want)
+
+  def test_refused_argument_falls_through(self):
+    q, k, v = _qkv()
+    bias = jnp.ones((B, H, T, N))
+    kw = dict(policy=jaxtopk.Dense(), bias=bias)
+    want = jaxtopk.topk_attention(q, k, v, **kw)
+    got = jaxtopk.topk_attention(
+      q, k, v, implementation=["pallas", "xla"], **kw
+    )
+    _equal(got, want)
+
+  def test_first_that_takes_the_call_runs(self):
+    q, k, v = _qkv()
+    kw = dict(policy=jaxtopk.Certified(0.1, block_size=BS))
+    want = jaxtopk.topk_attention(q, k, v, implementation="pallas", **kw)
+    got = jaxtopk.topk_attention(
+      q, k, v, implementation=("pallas", "xla"), **kw
+    )
+    _equal(got, want)
+
+  def test_every_refusal_named(self):
+    q, k, v = _qkv()
+    with self.assertRaisesRegex(UnsupportedPolicyError, "'pallas'.*'xla'"):
+      jaxtopk.topk_attention(
+        q,
+        k,
+        v,
+        policy=jaxtopk.Certified(0.1, "mc"),
+        implementation=("pallas", "xla"),
+      )
+
+  def test_single_name_raises_its_refusal(self):
+    q, k, v = _qkv()
+    with self.assertRaisesRegex(
+      UnsupportedPolicyError,
+      r"^FixedK\(topk=3\) is not supported by topk_attention\(implementation="
+      r"'pallas'\)",
+    ):
+      jaxtopk.topk_attention(
+        q, k, v, policy=jaxtopk.FixedK(3), implementation="pallas"
+      )
+
+  def test_unknown_name_is_never_skipped(self):
+    q, k, v = _qkv()
+    for implementation in (("cuda", "xla"), (), "cuda", 3):
+      with self.assertRaisesRegex(ValueError, "implementation="):
+        jaxtopk.topk_attention(
+          q, k, v, policy=jaxtopk.Dense(), implementation=implementation
+        )
+
+  def test_decode_dispatch_on_cache_type(self):
+    q, k, v = _qkv()
+    qd = q[:, :1]
+    index = jaxtopk.build_kv_index(k, v, group_size=BS)
+    policy = jaxtopk.FixedK(3)
+    want = jaxtopk.decode_attention(qd, index, policy=policy)
+    refused = registry.UnsupportedCacheError  # a ValueError
+    with self.assertRaisesRegex(refused, "IndexedKVCache"):
+      jaxtopk.decode_attention(
+        qd, index, policy=policy, implementation="pallas"
+      )
+    got = jaxtopk.decode_attention(
+      qd, index, policy=policy, implementation=("pallas", "xla")
+    )
+    _equal(got, want)
+    with self.assertRaisesRegex(refused, "dict"):
+      jaxtopk.decode_attention(qd, {}, policy=policy)
+
+  def test_decode_traced_scale_falls_through(self):
+    q, k, v = _qkv()
+    qd, cache = q[:, :1], _cache(k, v)
+    policy = jaxtopk.Dense()
+
+    def run(implementation):
+      return jax.jit(
+        lambda s: jaxtopk.decode_attention(
+          qd, cache, policy=policy, scale=s, implementation=implementation
+        )
+      )
+
+    scale = jnp.float32(0.5)  # traced: the Pallas decode takes static ones
+    _equal(run(("pallas", "xla"))(scale), run("xla")(scale))
+    with self.assertRaisesRegex(NotImplementedError, "static"):
+      run("pallas")(scale)
+
+  def test_register_implementation_compat(self):
+    q, k, v = _qkv()
+    calls = []
+
+    def refusing(*args, policy, **kwargs):
+      calls.append(policy)
+      raise NotImplementedError("refused by the backend itself")
+
+    jaxtopk.attention.register_implementation("refusing", refusing)
+    try:
+      self.assertIn("refusing", jaxtopk.attention.IMPLEMENTATIONS)
+      want = jaxtopk.topk_attention(q, k, v, policy=jaxtopk.Dense())
+      got = jaxtopk.topk_attention(
+        q, k, v, policy=jaxtopk.Dense(), implementation=("refusing", "xla")
+      )
+      _equal(got, want)
+      self.assertLen(calls, 1)
+    finally:
+      del registry.OPS["refusing_prefill"]
+
+  def test_declarations_checked(self):
+    with self.assertRaisesRegex(ValueError, "unknown arguments"):
+      registry.AttentionOp(
+        name="bad",
+        implementation="bad",
+        kind="prefill",
+        fn=lambda: None,
+        label="bad",
+        arguments=frozenset({"dropout"}),
+      )
+    with self.assertRaisesRegex(ValueError, "cache types"):
+      registry.AttentionOp(
+        name="bad", implementation="bad", kind="decode", fn=None, label="bad"
+      )
+
+
+if __name__ == "__main__":
+  absltest.main()
