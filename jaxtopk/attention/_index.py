@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtopk.attention import _decode
 from jaxtopk.attention import checks
 from jaxtopk.attention._cache import KVCache
 from jaxtopk.attention._cache import check_append
@@ -287,9 +288,7 @@ class IndexedKVCache:
     self, query, *, policy, scale=None, implementation=None, key=None
   ):
     """``jaxtopk.decode_attention`` over this index (see there)."""
-    from jaxtopk.attention import _index_search
-
-    return _index_search.index_decode_attention(
+    return _decode.decode_attention(
       query,
       self,
       policy=policy,

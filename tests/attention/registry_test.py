@@ -23,8 +23,8 @@ def _qkv():
 
 
 def _cache(k, v):
-  cache = jaxtopk.init_kv_cache(B, N, HK, D, block_size=BS)
-  return jaxtopk.kv_cache_update(cache, k, v)
+  cache = jaxtopk.KVCache.create(B, N, HK, D, block_size=BS)
+  return cache.append(k, v)
 
 
 def _equal(a, b):
@@ -100,7 +100,7 @@ class OpsTest(absltest.TestCase):
   def test_decode_dispatch_on_cache_type(self):
     q, k, v = _qkv()
     qd = q[:, :1]
-    index = jaxtopk.build_kv_index(k, v, group_size=BS)
+    index = jaxtopk.IndexedKVCache.build(k, v, group_size=BS)
     policy = jaxtopk.FixedK(3)
     want = jaxtopk.decode_attention(qd, index, policy=policy)
     refused = registry.UnsupportedCacheError  # a ValueError

@@ -46,8 +46,8 @@ class ShardedDispatchTest(absltest.TestCase):
 
   def test_decode(self):
     q, k, v = _qkv()
-    cache = jaxtopk.init_kv_cache(B, N, HK, D, block_size=4)
-    cache = jaxtopk.kv_cache_update(cache, k, v)
+    cache = jaxtopk.KVCache.create(B, N, HK, D, block_size=4)
+    cache = cache.append(k, v)
     policy = jaxtopk.FixedK(3)
     want = parallel.sharded_decode_attention(
       q[:, :1], cache, policy=policy, mesh=self.mesh
