@@ -102,6 +102,19 @@ class PublicApiTest(parameterized.TestCase):
         undocumented.append(name)
     self.assertEqual(undocumented, [], f"{package}: names without docstring")
 
+  @parameterized.named_parameters((p, p) for p in PACKAGES)
+  def test_all_lists_the_public_names(self, package):
+    module = importlib.import_module(package)
+    self.assertTrue(hasattr(module, "__all__"), f"{package}.__all__")
+    missing = [n for n in module.__all__ if not hasattr(module, n)]
+    self.assertEqual(missing, [], f"{package}.__all__ names what is absent")
+    public = {  # every public function, class and constant (not modules)
+      n
+      for n, obj in vars(module).items()
+      if not n.startswith("_") and not inspect.ismodule(obj)
+    }
+    self.assertEqual(public - set(module.__all__), set(), package)
+
   def test_models_and_nn_exports(self):
     import jaxtopk  # noqa: F401 (the top-level package loads every layer)
 

@@ -19,3 +19,25 @@ from jaxtopk.attention._topk import IMPLEMENTATIONS
 from jaxtopk.attention._topk import causal_mask
 from jaxtopk.attention._topk import register_implementation
 from jaxtopk.attention._topk import topk_attention
+
+__all__ = [
+  "build_kv_index",
+  "causal_mask",
+  "certify_selection",
+  "decode_attention",
+  "DECODE_IMPLEMENTATIONS",
+  "group_upper_bounds",
+  "grow_selection",
+  "IMPLEMENTATIONS",
+  "IndexedKVCache",
+  "init_kv_cache",
+  "kv_cache_update",
+  "kv_index_from_cache",
+  "kv_index_update",
+  "KVCache",
+  "rebuild_kv_index",
+  "register_decode_implementation",
+  "register_implementation",
+  "topk_attention",
+  "topk_indices",
+]

@@ -40,3 +40,33 @@ from jaxtopk.kernels._sparse_flash import sparse_flash_stats
 from jaxtopk.kernels._sparse_flash import sparse_flash_stats_reference
 
 _register()
+
+__all__ = [
+  "block_stats",
+  "block_stats_reference",
+  "block_value_norms",
+  "BlockSelection",
+  "BlockStats",
+  "BlockStatsSizes",
+  "certified_decode",
+  "certified_decode_reference",
+  "certified_sparse_attention",
+  "certified_sparse_attention_reference",
+  "DECODE_SUPPORTS",
+  "DecodeSizes",
+  "FlashStats",
+  "pallas_decode_attention",
+  "pallas_topk_attention",
+  "per_query_kept",
+  "prefill_certificate",
+  "PREFILL_SUPPORTS",
+  "select_blocks",
+  "sparse_flash_attention",
+  "sparse_flash_attention_reference",
+  "sparse_flash_gathered_attention",
+  "sparse_flash_kept_key_mask",
+  "sparse_flash_stats",
+  "sparse_flash_stats_reference",
+  "sparse_flash_visible_mask",
+  "SparseFlashSizes",
+]

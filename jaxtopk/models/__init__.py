@@ -37,3 +37,33 @@ from jaxtopk.models._rope import apply_rope
 from jaxtopk.models._rope import rope_frequencies
 from jaxtopk.models._text import public_domain_text
 from jaxtopk.models._weights import long_context_lm_dir
+
+__all__ = [
+  "apply_rope",
+  "AttentionTrace",
+  "BertConfig",
+  "BertEncoder",
+  "CheckpointConfig",
+  "decode_teacher_forced",
+  "DecoderAttention",
+  "DecoderCache",
+  "DecoderConfig",
+  "generate",
+  "l2_normalize",
+  "load_bert_weights",
+  "load_minilm",
+  "load_pretrained",
+  "long_context_lm_dir",
+  "mean_pool",
+  "MiniLM",
+  "minilm_model_dir",
+  "minilm_tokenize",
+  "PolicyAttention",
+  "public_domain_text",
+  "RMSNorm",
+  "rope_frequencies",
+  "RopeScaling",
+  "save_pretrained",
+  "sentence_embedding",
+  "TopKDecoder",
+]

@@ -13,3 +13,13 @@ from jaxtopk.nn._attention_fn import topk_attention_fn
 from jaxtopk.nn._certificates import collect_certificates
 from jaxtopk.nn._certificates import per_head_report
 from jaxtopk.nn._linen import topk_attention_linen
+
+__all__ = [
+  "CertificateVariable",
+  "certified_attention",
+  "CertifiedTopKAttention",
+  "collect_certificates",
+  "per_head_report",
+  "topk_attention_fn",
+  "topk_attention_linen",
+]

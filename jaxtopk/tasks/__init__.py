@@ -14,3 +14,20 @@ from jaxtopk.tasks._ruler import aggregation
 from jaxtopk.tasks._ruler import haystack_windows
 from jaxtopk.tasks._ruler import needle_task
 from jaxtopk.tasks._ruler import variable_tracking
+
+__all__ = [
+  "aggregate_recall",
+  "aggregation",
+  "associative_recall",
+  "haystack_windows",
+  "multi_key_lookup",
+  "needle_in_haystack",
+  "needle_task",
+  "NUM_SPECIAL",
+  "PAD",
+  "QUERY",
+  "RetrievalBatch",
+  "SUM",
+  "variable_tracking",
+  "Vocab",
+]
