@@ -100,6 +100,11 @@ CERTIFIED_CAPACITY = 1 / 32
 # more than the exact search plus the sample, and the concentrated heads
 # keep their saving).
 AUTO_MIN_KEYS = 1024
+# Platforms where the key-code path was measured to pay. On an H100 (jax
+# 0.11, docs/performance.md "GPU") it cost 4.5-4.9x the logits floor at n =
+# 16K-64K where the exact search cost 1.8-2.3x: Auto runs the exact search
+# there, and on TPU until measured.
+AUTO_CODES_PLATFORMS = ("cpu",)
 AUTO_SAMPLE = 32
 AUTO_THRESHOLD = 0.6
 # The key-code path: candidates compacted into n / CODES_SMALL slots (or
@@ -641,9 +646,11 @@ def _certified_search(policy: Certified, st: _Step, rng):
 
 def _by_codes(policy: Certified, cache: KVCache) -> bool:
   """Whether the key-code path runs (statically): ``bound='codes'``, or
-  ``Auto`` over a cache of at least ``AUTO_MIN_KEYS`` positions."""
+  ``Auto`` over a cache of at least ``AUTO_MIN_KEYS`` positions on a
+  platform of ``AUTO_CODES_PLATFORMS``."""
   if isinstance(policy.search, Auto):
-    return cache.max_len >= AUTO_MIN_KEYS
+    on = jax.default_backend() in AUTO_CODES_PLATFORMS
+    return on and cache.max_len >= AUTO_MIN_KEYS
   return isinstance(policy.search, DeltaSearch) and isinstance(
     policy.search.bound, Codes
   )

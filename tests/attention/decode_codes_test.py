@@ -7,6 +7,7 @@ is P_hat), the honest cost in ``keys_scored``, and Auto's choice per row.
 """
 
 import os
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -134,6 +135,20 @@ class AutoDecodeTest(parameterized.TestCase):
     self.assertLess(int(scored[1]), self.N // 2)
     policy = jaxtopk.Certified(0.05)
     _check_row(self, out, cert, q, k, self.N, policy, jnp.float32)
+
+  def test_platforms_without_the_codes_run_the_exact_search(self):
+    rng = np.random.default_rng(2)
+    d = 8
+    k = np.float32(rng.normal(size=(self.N, d)))
+    q = np.float32(k[3:4] * 8.0)  # peaked: the codes would pay on CPU
+    jax.clear_caches()  # the choice is made at trace time
+    with mock.patch.object(_decode, "AUTO_CODES_PLATFORMS", ()):
+      out, cert = self._decode(q, k)
+    jax.clear_caches()
+    self.assertEqual(int(cert.keys_scored[0, 0, 0]), self.N)  # no sample
+    _check_row(
+      self, out, cert, q, k, self.N, jaxtopk.Certified(0.05), jnp.float32
+    )
 
 
 if __name__ == "__main__":
