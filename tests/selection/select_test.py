@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxtopk
+from tests.theory import truth
 
 N = 13  # key axis used by the property tests (masks vary the real count)
 
@@ -33,18 +34,11 @@ def _select(logits, mask, values, policy):
 
 
 def _truth(logits, keep, mask, values=None):
-  """float64 tau and ||Attn - Attn_k|| of one row (numpy)."""
-  s = logits.astype(np.float64)[mask]
-  kp = keep[mask]
-  m = s.max()
-  e = np.exp(s - m)
-  tau = e[~kp].sum() / e.sum()
+  """Tail mass and ||Attn - Attn_k|| of one row (extended precision)."""
+  tau = float(np.exp(truth.log_tau(logits, keep, mask)))
   if values is None:
     return tau, None
-  v = values.astype(np.float64)[mask]
-  attn = (e[:, None] * v).sum(0) / e.sum()
-  attn_k = (e[kp, None] * v[kp]).sum(0) / e[kp].sum()
-  return tau, np.linalg.norm(attn - attn_k)
+  return tau, truth.output_error(logits, keep, values, mask)
 
 
 # Adversarial rows: ties, repeated values, huge ranges, tiny spreads.

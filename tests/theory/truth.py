@@ -60,20 +60,30 @@ def truncated(p, keep):
 
 
 def output_error(s, keep, v, valid):
-  """||Attn - Attn_k||_2 by direct computation of both outputs.
+  """||Attn - Attn_k||_2 of one row, in extended precision (np.longdouble).
 
-  In extended precision (np.longdouble); Attn_k = 0 when nothing is kept.
+  Written as ``(W_drop / W) * (mu_drop - mu_keep)`` (the two outputs'
+  difference in closed form), so equal values give exactly 0 instead of
+  the rounding noise of two separately rounded outputs (~1e-16, which a
+  tight bound on a tiny true error can sit below). Attn_k = 0 when nothing
+  is kept.
   """
   s = np.asarray(s, np.longdouble)[valid]
   v = np.asarray(v, np.longdouble)[valid]
   h = np.asarray(keep)[valid]
   w = np.exp(s - s.max())
-  attn = (w[:, None] * v).sum(0) / w.sum()
   if not h.any():
+    attn = (w[:, None] * v).sum(0) / w.sum()
     return float(np.sqrt((attn * attn).sum()))
-  attn_k = (w[h, None] * v[h]).sum(0) / w[h].sum()
-  d = attn - attn_k
-  return np.sqrt((d * d).sum())
+  if h.all():
+    return 0.0
+  w_keep, w_drop = w[h].sum(), w[~h].sum()
+  if w_drop == 0:  # below the extended range: the difference is too
+    return 0.0
+  mu_keep = (w[h, None] * v[h]).sum(0) / w_keep
+  mu_drop = (w[~h, None] * v[~h]).sum(0) / w_drop
+  d = (w_drop / (w_keep + w_drop)) * (mu_drop - mu_keep)
+  return float(np.sqrt((d * d).sum()))
 
 
 def k_eps(s, eps, valid):
