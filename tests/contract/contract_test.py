@@ -12,9 +12,11 @@ Per (variant, policy) cell:
   validity rule, soundness of tv_bound / log_tv_bound / output_error_bound
   against the reference, the output against the exact attention, every
   policy field honoured; then jit + vmap of the same variant on a batch of
-  two cases equal the jitted call on each. An unsupported policy (or an
-  input the variant does not take, e.g. a per-row mask on a key-padding-only
-  path) must be refused with an error naming the field (or the argument).
+  two cases equal the jitted call on each (in CI on the fixed_k and
+  cert_delta cells of each variant, ``_VMAP_CI``; soak: every cell). An
+  unsupported policy (or an input the variant does not take, e.g. a per-row
+  mask on a key-padding-only path) must be refused with an error naming the
+  field (or the argument).
 - ``test_low_precision``: bfloat16 and float16 inputs (one policy).
 - ``test_gradient``: where the variant supports it, gradients equal the
   float64 gradient of attention over the kept keys (THEORY 8.2).
@@ -73,6 +75,20 @@ def _cells():
         if _supported(v, policy):
           continue  # CI crosses a few (variants.Variant.ci_policies)
       yield (f"{v.name}__{p_name}", v.name, p_name)
+
+
+# jit(vmap(variant)) compiles a second program per cell: CI checks it on a
+# fixed-count and a certified search policy of each variant (the batching of
+# both kinds of path), soak on every cell.
+_VMAP_CI = ("fixed_k", "cert_delta")
+
+
+def _vmap_policies(variant) -> tuple[str, ...]:
+  """The policies whose cells check jit + vmap in CI (at least one)."""
+  ran = [c[2] for c in _cells() if c[1] == variant.name]
+  ok = [p for p in ran if _supported(variant, pol.BY_NAME[p])]
+  certified = [p for p in ok if p.startswith("cert_")]
+  return tuple(p for p in ok if p in _VMAP_CI) or tuple((certified or ok)[:1])
 
 
 def _args(variant, case):
@@ -194,7 +210,8 @@ class ContractTest(parameterized.TestCase):
     for family in families:  # every family at least once, then random
       outcome.run(self._one, variant, policy_name, fam.fixed_case(family))
     prop()
-    outcome.run(self._jit_vmap, variant, policy_name)
+    if _SOAK or policy_name in _vmap_policies(variant):
+      outcome.run(self._jit_vmap, variant, policy_name)
     outcome.finish()
 
   def _one(self, variant, policy_name, case, dtype_name="float32"):

@@ -595,6 +595,12 @@ def _flax_decode(policy, dtype):
   return fn
 
 
+# A variant that hands the policy to another (the Flax wrappers of the XLA
+# prefill, whose cells cross every policy) crosses, in CI, a fixed count, a
+# count from the row's length, and the certified exact (capped) and delta
+# searches.
+_WRAPPER_CI = ("fixed_k", "ratio", "cert_exact_cap", "cert_delta")
+
 # THE list: a variant joins by adding one line.
 VARIANTS = (
   _of_op("xla_prefill", "xla_prefill", _prefill(None)),
@@ -610,6 +616,7 @@ VARIANTS = (
     bias=False,
     effective=_layer_effective,
     head_dim=fam.E,
+    ci_policies=_WRAPPER_CI,
   ),
   Variant(
     "attention_fn",
@@ -618,6 +625,7 @@ VARIANTS = (
     bias=False,
     effective=_layer_effective,
     head_dim=fam.E,
+    ci_policies=_WRAPPER_CI,
   ),
   _of_op(
     "index_decode",
