@@ -1390,7 +1390,7 @@ INDEX_DECODE = registry.register(
     fn=_index_op,
     label=_BACKEND,
     supports_fn=supports,
-    arguments=registry.DECODE_ARGUMENTS,
+    arguments=frozenset({"traced_scale"}),  # one query step, no residual
     cache_types=(IndexedKVCache,),
   )
 )
