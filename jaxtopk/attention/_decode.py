@@ -688,9 +688,7 @@ def _certified_search(policy: Certified, st: _Step, rng):
   p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), jnp.finfo(p.dtype).tiny)
   o = _kept_values_fn(keep, cache.values, capacity)(p)
   part = dataclasses.replace(part, o=o)
-  return _final(
-    st, part, n_terms=n + n // bs, failure_prob=policy.failure_prob
-  )
+  return _final(st, part, n_terms=n + n // bs, failure_prob=policy.failure_prob)
 
 
 # ------------------------------------------------------------- key codes
@@ -935,9 +933,7 @@ def _codes_rows(
   b, _, h, _ = query.shape
   hk = cache.keys.shape[1]
   g = h // hk
-  codes = functools.partial(
-    _certified_codes, q_len=q_len, residual=residual
-  )
+  codes = functools.partial(_certified_codes, q_len=q_len, residual=residual)
   if not isinstance(policy.search, Auto):
     return codes(policy, query, cache, scale, jnp.int32(0))
   use, extra = _sample_says_codes(policy, query, cache, scale)  # [b, hk]
@@ -1057,7 +1053,7 @@ def decode_attention(
   implementation: str | Sequence[str] | None = None,
   key=None,
   return_residual: bool = False,
-):
+) -> tuple[jax.Array, Certificate] | tuple[jax.Array, jax.Array, Certificate]:
   """Top-k attention of the newest query steps of each sequence over a
   KVCache.
 

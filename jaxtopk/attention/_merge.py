@@ -115,9 +115,7 @@ def merge_attention(first, second) -> _Result:
     return ~cert.valid & (lse <= log0)
 
   ea, eb = empty(lse_a, ca), empty(lse_b, cb)
-  valid = (
-    (ca.valid | ea) & (cb.valid | eb) & (ca.valid | cb.valid)
-  )  # [...]
+  valid = (ca.valid | ea) & (cb.valid | eb) & (ca.valid | cb.valid)  # [...]
   la = jnp.where(ca.valid, lse_a, -jnp.inf)
   lb = jnp.where(cb.valid, lse_b, -jnp.inf)
   lse = jnp.logaddexp(la, lb)

@@ -58,9 +58,7 @@ PREFILL_ARGUMENTS = frozenset(
     "traced_scale",
   }
 )
-DECODE_ARGUMENTS = frozenset(
-  {"multi_query", "return_residual", "traced_scale"}
-)
+DECODE_ARGUMENTS = frozenset({"multi_query", "return_residual", "traced_scale"})
 PLATFORMS = frozenset({"cpu", "gpu", "tpu"})
 KINDS = ("prefill", "decode")
 MASKS = ("any", "padding")
