@@ -124,7 +124,9 @@ def register_decode_implementation(name: str, fn: Callable) -> None:
   Kept for compatibility: ``fn`` has the signature of
   ``xla_decode_attention`` (checked arguments) and refuses by itself what
   it cannot honour (the op declares every policy feature); registering an
-  ``registry.AttentionOp`` declares that instead.
+  ``registry.AttentionOp`` declares that instead. The op attends one query
+  step (q_len = 1) and returns no residual: it refuses 'multi_query' and
+  'return_residual' by name.
   """
 
   def op_fn(query, cache, *, policy, scale, key):
@@ -139,7 +141,7 @@ def register_decode_implementation(name: str, fn: Callable) -> None:
       fn=op_fn,
       label=f"decode_attention(implementation={name!r})",
       supports=FEATURES,
-      arguments=registry.DECODE_ARGUMENTS,
+      arguments=frozenset({"traced_scale"}),
       cache_types=(KVCache,),
     )
   )
