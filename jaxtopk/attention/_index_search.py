@@ -620,9 +620,19 @@ def _search_decode(query, index, rng, eps, dyn_scale=None, *, policy, scale):
   return out, cert, kept  # kept: [b, hk, g, G] groups kept
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "scale"))
-def _full_decode(query, index, dyn_scale=None, *, policy, scale):
-  """Every stored key scored: 'exact' and fixed-count policies."""
+@functools.partial(
+  jax.jit, static_argnames=("policy", "scale", "q_len", "residual")
+)
+def _full_decode(
+  query, index, dyn_scale=None, *, policy, scale, q_len=1, residual=False
+):
+  """Every stored key scored: 'exact' and fixed-count policies.
+
+  ``q_len`` > 1: ``query`` holds the steps folded into the groups
+  (``_decode._fold``), each row limited to the positions <= its own.
+  ``residual``: also returns the log-sum-exp residual
+  (``core.log_sum_exp_residual``).
+  """
   scale, scale_ok = _scale_of(scale, dyn_scale)
   b, _, h, d = query.shape
   dt = _dtype(query, index)
@@ -634,6 +644,10 @@ def _full_decode(query, index, dyn_scale=None, *, policy, scale):
   s = s * scale  # [b, hk, g, n]
   valid = (jnp.arange(c_sz) < index.count[..., None]).reshape(bb, hk, -1)
   valid = jnp.broadcast_to(valid[:, :, None], s.shape)
+  if q_len > 1:  # each row its causal prefix (position -1: an empty slot)
+    limit = _decode._row_limits(index.length, q_len, s.shape[2])  # [b, g]
+    pos = index.position.reshape(bb, hk, 1, -1)
+    valid = valid & (pos >= 0) & (pos < limit[:, None, :, None])
   delta, _ = row_errors(q, qf, index, scale)
   norms = core.value_norms(v)[:, :, None]  # [b, hk, 1, n]
   sel = selection.select_rows(
@@ -662,17 +676,36 @@ def _full_decode(query, index, dyn_scale=None, *, policy, scale):
     tail_norm=core.max_norm(norms, valid & ~keep),
     logit_error=delta,
   )
-  out = jnp.where(ok[..., None], out, 0.0).reshape(b, 1, h, -1)
-  cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
+  out = jnp.where(ok[..., None], out, 0.0)
+  lse = None
+  if residual:
+    empty = ~jnp.any(valid, -1)
+    log_head = m[..., 0] + jnp.log(den[..., 0])
+    lse = core.log_sum_exp_residual(log_head, cert.valid, empty)
+  if q_len > 1:
+    out, cert, lse = jax.tree.map(
+      lambda x: _decode._unfold(x, hk, q_len), (out, cert, lse)
+    )
+  else:
+    out = out.reshape(b, 1, h, -1)
+    cert, lse = jax.tree.map(lambda x: x.reshape(b, 1, h), (cert, lse))
+  if residual:
+    return out.astype(query.dtype), cert, lse
   return out.astype(query.dtype), cert
 
 
-def _check_query(query, index, name="query"):
+def _check_query(query, index, name="query", steps=False):
+  """``query`` checked: ``[b, 1, h, d]``, or ``[b, q_len >= 1, h, d]`` with
+  ``steps``."""
   query = checks.check_array(query, name)
   b, hk, _, _, d = index.keys.shape
-  if query.ndim != 4 or query.shape[:2] != (b, 1) or query.shape[3] != d:
+  fits = query.ndim == 4 and query.shape[0] == b and query.shape[3] == d
+  if fits and not (query.shape[1] >= 1 if steps else query.shape[1] == 1):
+    fits = False
+  if not fits:
+    t = "q_len >= 1" if steps else "1"
     raise ValueError(
-      f"{name} must be [batch={b}, 1, num_heads, head_dim={d}]; got"
+      f"{name} must be [batch={b}, {t}, num_heads, head_dim={d}]; got"
       f" {query.shape=}"
     )
   if query.shape[2] % hk:
@@ -690,7 +723,11 @@ def index_decode_attention(
   scale=None,
   implementation: str | None = None,
   key=None,
-) -> tuple[jax.Array, selection.Certificate]:
+  return_residual: bool = False,
+) -> (
+  tuple[jax.Array, selection.Certificate]
+  | tuple[jax.Array, jax.Array, selection.Certificate]
+):
   """``decode_attention`` over an IndexedKVCache (module docstring).
 
   ``Certified(eps, 'delta' | 'mc')`` search the groups (``block_size`` must
@@ -700,8 +737,15 @@ def index_decode_attention(
   as ``decode_attention`` (``checks.check_scale``: a traced scale is fine,
   rows are invalid where it is not finite and >= ``core.MIN_SCALE``).
 
+  A query of q_len > 1 steps (``decode_attention``'s causal rule) and
+  ``return_residual`` take the path that scores every key: the group
+  searches attend one step and return no residual, so 'delta', 'mc' and
+  ``bound='codes'`` refuse them by name (NotImplementedError), and
+  ``Auto`` runs its exact search.
+
   Returns:
-    ``(output [b, 1, h, dv], Certificate [b, 1, h])``.
+    ``(output [b, q_len, h, dv], Certificate [b, q_len, h])``, or
+    ``(output, lse, Certificate)`` with ``return_residual``.
 
   Raises:
     ValueError: on bad shapes, scale, implementation or a refused field.
@@ -710,7 +754,7 @@ def index_decode_attention(
   """
   if not isinstance(policy, selection.Policy):
     raise TypeError(f"{policy=} must be a jaxtopk selection policy")
-  query = _check_query(query, index)
+  query = _check_query(query, index, steps=True)
   static, dynamic = _split_scale(checks.check_scale(scale, index.head_dim))
   if implementation not in (None, "xla"):
     raise ValueError(
@@ -718,6 +762,9 @@ def index_decode_attention(
       " or 'xla'"
     )
   policy.require(_BACKEND, supports(policy))
+  q_len = query.shape[1]
+  if q_len > 1 or return_residual:
+    return _steps_decode(query, index, policy, static, dynamic, return_residual)
   if isinstance(policy, selection.Certified) and _index_by_codes(policy):
     return _codes_decode(query, index, policy, static, dynamic)
   if not isinstance(policy, selection.Certified) or not _searching(policy):
@@ -740,6 +787,38 @@ def index_decode_attention(
     scale=static,
   )
   return out, cert
+
+
+def _steps_decode(query, index, policy, static, dynamic, residual):
+  """q_len > 1 steps or the residual: every key scored (``_full_decode``),
+  or a named refusal for the group searches."""
+  q_len = query.shape[1]
+  certified = isinstance(policy, selection.Certified)
+  if certified and not isinstance(policy.search, selection.Auto):
+    if _searching(policy) or _index_by_codes(policy):
+      asked = [f"q_len={q_len}"] if q_len > 1 else []
+      asked += ["return_residual=True"] if residual else []
+      raise NotImplementedError(
+        f"{_BACKEND} with search={policy.search!r} attends one query step"
+        f" and returns no residual; got {', '.join(asked)}. Use"
+        " Certified(eps, 'exact') or the default Auto (which then scores"
+        " every key)."
+      )
+  if q_len > 1:
+    query = _decode._fold(query, index.keys.shape[1])
+  result = _full_decode(
+    query,
+    index,
+    dynamic,
+    policy=policy,
+    scale=static,
+    q_len=q_len,
+    residual=residual,
+  )
+  if residual:
+    out, cert, lse = result
+    return out, cert, lse
+  return result
 
 
 # What the index honours, by the path a policy takes (``supports``): every
@@ -1376,9 +1455,14 @@ def _kept_positions(index, scored, pos):
   return rows.reshape(b, 1, hk * g, n)
 
 
-def _index_op(query, cache, *, policy, scale, key):
+def _index_op(query, cache, *, policy, scale, key, return_residual=False):
   return index_decode_attention(
-    query, cache, policy=policy, scale=scale, key=key
+    query,
+    cache,
+    policy=policy,
+    scale=scale,
+    key=key,
+    return_residual=return_residual,
   )
 
 
@@ -1390,7 +1474,7 @@ INDEX_DECODE = registry.register(
     fn=_index_op,
     label=_BACKEND,
     supports_fn=supports,
-    arguments=frozenset({"traced_scale"}),  # one query step, no residual
+    arguments=registry.DECODE_ARGUMENTS,  # group searches: one step only
     cache_types=(IndexedKVCache,),
   )
 )

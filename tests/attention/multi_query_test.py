@@ -51,9 +51,25 @@ class MultiQueryTest(parameterized.TestCase):
   @parameterized.parameters(*POLICIES)
   def test_rows_against_float64(self, policy):
     q, k, cache = _data()
-    out, lse, cert = jaxtopk.decode_attention(
+    result = jaxtopk.decode_attention(
       q, cache, policy=policy, key=jax.random.key(0), return_residual=True
     )
+    self._check_rows(policy, q, k, *result)
+
+  @parameterized.parameters(*POLICIES[:3], jaxtopk.Certified(0.05))
+  def test_index_rows_against_float64(self, policy):
+    # The content index scores every key for several steps (Auto: its
+    # exact search); its group searches refuse (RefusalTest).
+    q, k, cache = _data()
+    index = jaxtopk.IndexedKVCache.from_cache(cache, group_size=BS)
+    result = jaxtopk.decode_attention(
+      q, index, policy=policy, return_residual=True
+    )
+    self._check_rows(policy, q, k, *result)
+
+  def _check_rows(self, policy, q, k, out, lse, cert):
+    """Every row against its float64 truth (one-hot values: an output row
+    is its weights, so its kept set is where it is positive)."""
     self.assertEqual(out.shape, (B, Q_LEN, H, N))
     self.assertEqual(lse.shape, (B, Q_LEN, H))
     self.assertEqual(lse.dtype, jnp.float32)
@@ -101,7 +117,7 @@ class MultiQueryTest(parameterized.TestCase):
             float(c.output_error_bound), err - 16 * 1.2e-7
           )
           if isinstance(policy, jaxtopk.Certified):
-            if int(c.k_kept) < policy.max_topk:
+            if int(c.k_kept) < (policy.max_topk or N):
               self.assertLessEqual(float(c.tv_bound), policy.eps)
 
   def test_steps_equal_single_query_calls(self):
@@ -236,6 +252,17 @@ class RefusalTest(parameterized.TestCase):
         else:
           self.assertIsInstance(error, NotImplementedError, name)
           self.assertIn(fragment, str(error), name)
+
+  def test_index_searches_refuse_by_name(self):
+    q, _, cache = _data()
+    index = jaxtopk.IndexedKVCache.from_cache(cache, group_size=BS)
+    policy = jaxtopk.Certified(0.05, "delta", block_size=BS)
+    with self.assertRaisesRegex(NotImplementedError, "q_len=3"):
+      jaxtopk.decode_attention(q, index, policy=policy)
+    with self.assertRaisesRegex(NotImplementedError, "return_residual"):
+      jaxtopk.decode_attention(
+        q[:, :1], index, policy=policy, return_residual=True
+      )
 
   def test_sequence_falls_through(self):
     q, _, cache = _data()
