@@ -186,6 +186,44 @@ def _decode(implementation):
   return build
 
 
+def _decode_steps(policy, dtype):
+  """``decode_attention`` with several query steps: each row's query is
+  step 0 of ``_STEPS``, so it attends to the row's keys only, while the
+  later (zero) steps see ``_STEPS - 1`` zero keys appended behind them:
+  the per-step causal limit is what keeps those keys out of the row."""
+  del dtype
+  bs = _block(policy)
+
+  def fn(q, k, v, mask, bias):
+    del bias
+    b, t, h, d = q.shape
+    n, hk, e = k.shape[1], k.shape[2], v.shape[3]
+    kk, vv, length = _rows_first(k, v, mask)
+    extra = _STEPS - 1
+    max_len = -(-(n + extra) // bs) * bs
+    cache = jaxtopk.KVCache.create(
+      b * t, max_len, hk, d, block_size=bs, dtype=k.dtype, value_dim=e
+    )
+    cache = cache.append(kk, vv, num_steps=length)
+    cache = cache.append(
+      jnp.zeros((b * t, extra, hk, d), k.dtype),
+      jnp.zeros((b * t, extra, hk, e), v.dtype),
+    )
+    later = jnp.zeros((b * t, extra, h, d), q.dtype)
+    qs = jnp.concatenate([q.reshape(b * t, 1, h, d), later], axis=1)
+    out, cert = jaxtopk.decode_attention(
+      qs, cache, policy=policy, key=jax.random.key(0)
+    )
+    out = out[:, 0].reshape(b, t, h, e)
+    cert = jax.tree.map(lambda x: x[:, 0].reshape(b, t, h), cert)
+    return out, cert
+
+  return fn
+
+
+_STEPS = 3
+
+
 def _split(x, n_shards, axis):
   """``axis`` split into contiguous shards, stacked first."""
   shape = x.shape
@@ -599,6 +637,17 @@ def _flax_decode(policy, dtype):
 VARIANTS = (
   _of_op("xla_prefill", "xla_prefill", _prefill(None)),
   _of_op("xla_decode", "xla_decode", _decode(None)),
+  # Several query steps per call: CI runs its one-key cell and refusals
+  # only (the same op's policies are crossed by xla_decode);
+  # HYPOTHESIS_PROFILE=soak crosses every policy.
+  _of_op(
+    "xla_decode",
+    "decode_steps",
+    _decode_steps,
+    ci_policies=(),
+    low_precision=(),
+    eager=False,
+  ),
   _of_op("pallas_prefill", "pallas_prefill", _prefill("pallas")),
   _of_op("pallas_decode", "pallas_decode", _decode("pallas")),
   _of_op("sharded_prefill", "kv_sharded", _kv_sharded(3)),
