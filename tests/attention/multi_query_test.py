@@ -56,14 +56,19 @@ class MultiQueryTest(parameterized.TestCase):
     )
     self._check_rows(policy, q, k, *result)
 
-  @parameterized.parameters(*POLICIES[:3], jaxtopk.Certified(0.05))
+  @parameterized.parameters(
+    *POLICIES[:3],
+    jaxtopk.Certified(0.05),  # Auto: the exact search on a small index
+    jaxtopk.Certified(0.05, "delta", block_size=BS),
+    jaxtopk.Certified(0.05, "delta", block_size=BS, bound="codes"),
+    jaxtopk.Certified(0.05, "mc", block_size=BS, delta=1e-9),
+  )
   def test_index_rows_against_float64(self, policy):
-    # The content index scores every key for several steps (Auto: its
-    # exact search); its group searches refuse (RefusalTest).
+    # The content index's group searches take max_topk on no path.
     q, k, cache = _data()
     index = jaxtopk.IndexedKVCache.from_cache(cache, group_size=BS)
     result = jaxtopk.decode_attention(
-      q, index, policy=policy, return_residual=True
+      q, index, policy=policy, key=jax.random.key(0), return_residual=True
     )
     self._check_rows(policy, q, k, *result)
 
@@ -252,17 +257,6 @@ class RefusalTest(parameterized.TestCase):
         else:
           self.assertIsInstance(error, NotImplementedError, name)
           self.assertIn(fragment, str(error), name)
-
-  def test_index_searches_refuse_by_name(self):
-    q, _, cache = _data()
-    index = jaxtopk.IndexedKVCache.from_cache(cache, group_size=BS)
-    policy = jaxtopk.Certified(0.05, "delta", block_size=BS)
-    with self.assertRaisesRegex(NotImplementedError, "q_len=3"):
-      jaxtopk.decode_attention(q, index, policy=policy)
-    with self.assertRaisesRegex(NotImplementedError, "return_residual"):
-      jaxtopk.decode_attention(
-        q[:, :1], index, policy=policy, return_residual=True
-      )
 
   def test_sequence_falls_through(self):
     q, _, cache = _data()
