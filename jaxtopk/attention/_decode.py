@@ -1083,8 +1083,7 @@ def decode_attention(
   Args:
     query: ``[batch, q_len, num_heads, head_dim]``, q_len >= 1; num_heads a
       multiple of the cache's kv heads. Ops that attend one step only
-      ('pallas', 'sharded'; the content index's group searches) refuse
-      q_len > 1 by name.
+      ('pallas', 'sharded') refuse q_len > 1 by name.
     cache: a KVCache (or an IndexedKVCache, which searches its groups).
     policy: a selection policy.
     scale: logit scale, default 1/sqrt(head_dim); a number >= float32's

@@ -1033,12 +1033,14 @@ def _codes_search(
   dv = index.values.shape[-1]
   n_rounds = -(-g_num // rounds)
 
-  def one(q1, bs, c, lv, kr, u1, de, ab, li):
+  def one(q1, bs, c, lv, kr, u1, de, ab, li=None):
     def by_codes():
       uk = key_codes.code_bounds(
         q1[None], codes[kr], expo[kr], scale=scale, upper_only=True
       )[0]  # [n]
-      return _code_group_mass(uk, slot[kr], li, None, g_num, c_sz)
+      slots = slot[kr]
+      prefix = length[kr] if q_len == 1 else li  # the row's causal prefix
+      return _code_group_mass(uk, slots, prefix, None, g_num, c_sz)
 
     def everything():
       return jnp.where(lv, jnp.inf, -jnp.inf).astype(dt)
@@ -1067,7 +1069,7 @@ def _codes_search(
       use.reshape(b, hk, g).reshape(rows),
       delta.reshape(rows),
       abs_s.reshape(rows),
-      limit.reshape(rows),
+      *((limit.reshape(rows),) if q_len > 1 else ()),
     ),
   )
   out, log_tv, _, kept, n_sc, n_kp, has_head, fin = res[:8]
@@ -1552,7 +1554,7 @@ INDEX_DECODE = registry.register(
     fn=_index_op,
     label=_BACKEND,
     supports_fn=supports,
-    arguments=registry.DECODE_ARGUMENTS,  # group searches: one step only
+    arguments=registry.DECODE_ARGUMENTS,
     cache_types=(IndexedKVCache,),
   )
 )
