@@ -224,6 +224,38 @@ def _decode_steps(policy, dtype):
 _STEPS = 3
 
 
+def _index_steps(policy, dtype):
+  """``_decode_steps`` over a content index: each row's keys, then
+  ``_STEPS - 1`` zero keys, indexed together (the groups mix them); the
+  row's query is step 0, so only the causal limit keeps the zeros out."""
+  del dtype
+  bs = _block(policy)
+
+  def fn(q, k, v, mask, bias):
+    del bias
+    b, t, h, d = q.shape
+    n = k.shape[1]
+    kk, vv, length = _rows_first(k, v, mask)
+    extra = _STEPS - 1
+    pos = jnp.arange(n + extra)[None, :, None, None]
+    pad = ((0, 0), (0, extra), (0, 0), (0, 0))
+    kk2 = jnp.where(pos < length[:, None, None, None], jnp.pad(kk, pad), 0)
+    vv2 = jnp.where(pos < length[:, None, None, None], jnp.pad(vv, pad), 0)
+    index = jaxtopk.IndexedKVCache.build(
+      kk2, vv2, lengths=length + extra, group_size=bs
+    )
+    later = jnp.zeros((b * t, extra, h, d), q.dtype)
+    qs = jnp.concatenate([q.reshape(b * t, 1, h, d), later], axis=1)
+    out, cert = jaxtopk.decode_attention(
+      qs, index, policy=policy, key=jax.random.key(0)
+    )
+    out = out[:, 0].reshape(b, t, h, -1)
+    cert = jax.tree.map(lambda x: x[:, 0].reshape(b, t, h), cert)
+    return out, cert
+
+  return fn
+
+
 def _split(x, n_shards, axis):
   """``axis`` split into contiguous shards, stacked first."""
   shape = x.shape
@@ -637,13 +669,22 @@ def _flax_decode(policy, dtype):
 VARIANTS = (
   _of_op("xla_prefill", "xla_prefill", _prefill(None)),
   _of_op("xla_decode", "xla_decode", _decode(None)),
-  # Several query steps per call: CI runs its one-key cell and refusals
-  # only (the same op's policies are crossed by xla_decode);
-  # HYPOTHESIS_PROFILE=soak crosses every policy.
+  # Several query steps per call (here and index_steps below): CI runs
+  # their one-key cells and refusals only (the same ops' policies are
+  # crossed by xla_decode and index_decode); HYPOTHESIS_PROFILE=soak
+  # crosses every policy.
   _of_op(
     "xla_decode",
     "decode_steps",
     _decode_steps,
+    ci_policies=(),
+    low_precision=(),
+    eager=False,
+  ),
+  _of_op(
+    "index_decode",
+    "index_steps",
+    _index_steps,
     ci_policies=(),
     low_precision=(),
     eager=False,
