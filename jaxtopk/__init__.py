@@ -19,6 +19,7 @@ from jaxtopk.attention import init_kv_cache
 from jaxtopk.attention import kv_cache_update
 from jaxtopk.attention import kv_index_from_cache
 from jaxtopk.attention import kv_index_update
+from jaxtopk.attention import merge_attention
 from jaxtopk.attention import rebuild_kv_index
 from jaxtopk.attention import topk_attention
 from jaxtopk.selection import Auto
@@ -66,6 +67,7 @@ __all__ = [
   "KVCache",
   "LowRank",
   "MCSearch",
+  "merge_attention",
   "models",
   "nn",
   "parallel",

@@ -126,6 +126,13 @@ class PublicApiTest(parameterized.TestCase):
       self.assertFalse(hasattr(nn, name), f"{name} belongs to models")
       self.assertTrue(hasattr(models, name), name)
 
+  def test_merge_attention_exports(self):
+    for package in ("jaxtopk", "jaxtopk.attention"):
+      module = importlib.import_module(package)
+      self.assertIn("merge_attention", module.__all__, package)
+    jaxtopk = importlib.import_module("jaxtopk")
+    self.assertIs(jaxtopk.merge_attention, jaxtopk.attention.merge_attention)
+
 
 class ImportGraphTest(absltest.TestCase):
   def test_imports_only_go_down(self):

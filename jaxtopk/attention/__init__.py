@@ -15,6 +15,7 @@ from jaxtopk.attention._index import rebuild_kv_index
 from jaxtopk.attention._index_search import certify_selection
 from jaxtopk.attention._index_search import group_upper_bounds
 from jaxtopk.attention._index_search import grow_selection
+from jaxtopk.attention._merge import merge_attention
 from jaxtopk.attention._topk import IMPLEMENTATIONS
 from jaxtopk.attention._topk import causal_mask
 from jaxtopk.attention._topk import register_implementation
@@ -35,6 +36,7 @@ __all__ = [
   "kv_index_from_cache",
   "kv_index_update",
   "KVCache",
+  "merge_attention",
   "rebuild_kv_index",
   "register_decode_implementation",
   "register_implementation",

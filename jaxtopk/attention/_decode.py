@@ -124,7 +124,9 @@ def register_decode_implementation(name: str, fn: Callable) -> None:
   Kept for compatibility: ``fn`` has the signature of
   ``xla_decode_attention`` (checked arguments) and refuses by itself what
   it cannot honour (the op declares every policy feature); registering an
-  ``registry.AttentionOp`` declares that instead.
+  ``registry.AttentionOp`` declares that instead. The op attends one query
+  step (q_len = 1) and returns no residual: it refuses 'multi_query' and
+  'return_residual' by name.
   """
 
   def op_fn(query, cache, *, policy, scale, key):
@@ -139,7 +141,7 @@ def register_decode_implementation(name: str, fn: Callable) -> None:
       fn=op_fn,
       label=f"decode_attention(implementation={name!r})",
       supports=FEATURES,
-      arguments=registry.DECODE_ARGUMENTS,
+      arguments=frozenset({"traced_scale"}),
       cache_types=(KVCache,),
     )
   )
@@ -152,7 +154,8 @@ class _Step:
   Attributes:
     q: ``[b, hk, g, d]`` queries in the compute dtype.
     s: ``[b, hk, g, n]`` logits in the compute dtype.
-    valid: ``[b, 1, 1, n]`` bool filled positions.
+    valid: ``[b, 1, 1, n]`` bool filled positions (``[b, 1, g, n]`` for
+      q_len > 1 steps folded into the groups: each row's causal prefix).
     delta: ``[b, hk, g]`` logit error bound (``core.logit_error_bound``).
     vn: ``[b, hk, 1, n]`` value norms (``cache.value_norms``).
     n_valid: ``[b, hk, g]`` int32 filled positions.
@@ -160,6 +163,7 @@ class _Step:
       ``core.MIN_SCALE``.
     cache: the KVCache.
     scale: the logit scale (float or traced 0-d array).
+    residual: static, whether results carry the log-sum-exp residual.
   """
 
   q: jax.Array
@@ -171,6 +175,7 @@ class _Step:
   scale_ok: jax.Array
   cache: KVCache
   scale: object
+  residual: bool = False
 
   @property
   def real(self) -> jax.Array:
@@ -201,18 +206,56 @@ def _logit_error(q_in, q, cache, scale):
   )
 
 
-def _step(query, cache, scale, s=None) -> _Step:
+def _row_limits(length, q_len, rows):
+  """``[b, rows]`` int32: how many positions each folded row attends to.
+
+  Row r holds query step i = r // (rows / q_len), at position length -
+  q_len + i; it attends to the positions <= its own (0 where the step falls
+  before the first key: a row with no real key).
+  """
+  step = jnp.arange(rows, dtype=jnp.int32) // (rows // q_len)
+  limit = length[:, None] - q_len + 1 + step[None, :]
+  return jnp.maximum(limit, 0).astype(jnp.int32)
+
+
+def _fold(query, hk):
+  """``[b, q_len, h, d]`` -> ``[b, 1, hk q_len g, d]``: the query steps
+  folded into each kv head's group (row order (step, group))."""
+  b, t, h, d = query.shape
+  g = h // hk
+  x = query.reshape(b, t, hk, g, d).transpose(0, 2, 1, 3, 4)
+  return x.reshape(b, 1, hk * t * g, d)
+
+
+def _unfold(x, hk, q_len):
+  """``[b, hk, q_len g, ...]`` -> ``[b, q_len, hk g, ...]`` (``_fold``'s
+  inverse on the row axes)."""
+  b, _, rows = x.shape[:3]
+  g = rows // q_len
+  x = x.reshape(b, hk, q_len, g, *x.shape[3:])
+  x = jnp.moveaxis(x, 2, 1)  # [b, q_len, hk, g, ...]
+  return x.reshape(b, q_len, hk * g, *x.shape[4:])
+
+
+def _step(query, cache, scale, s=None, *, q_len=1, residual=False) -> _Step:
   """The arrays of a step; ``s`` given: the logits are not computed (the
   key-code path passes its upper bounds, of which only the shape is read
-  by the finishing helpers)."""
+  by the finishing helpers). ``q_len`` > 1: the query steps are folded
+  into the groups (``_fold``), each row limited to its causal prefix."""
   q_in, q = _queries(query, cache)
   dt = q.dtype
   if s is None:
     k = cache.keys.astype(dt)  # [b, hk, n, d] head-major
     s = jnp.einsum("bkgd,bknd->bkgn", q, k, precision=_HIGHEST) * scale
   delta = _logit_error(q_in, q, cache, scale)
-  valid = cache.valid()[:, :, None]  # [b, 1, 1, n]
-  n_valid = jnp.broadcast_to(cache.length[:, None, None], s.shape[:-1])
+  if q_len == 1:
+    valid = cache.valid()[:, :, None]  # [b, 1, 1, n]
+    n_valid = jnp.broadcast_to(cache.length[:, None, None], s.shape[:-1])
+  else:
+    limit = _row_limits(cache.length, q_len, s.shape[2])  # [b, rows]
+    pos = jnp.arange(s.shape[-1], dtype=jnp.int32)
+    valid = (pos < limit[..., None])[:, None]  # [b, 1, rows, n]
+    n_valid = jnp.broadcast_to(limit[:, None], s.shape[:-1])
   return _Step(
     q=q,
     s=s,
@@ -223,6 +266,7 @@ def _step(query, cache, scale, s=None) -> _Step:
     scale_ok=checks.scale_ok(scale),
     cache=cache,
     scale=scale,
+    residual=residual,
   )
 
 
@@ -326,14 +370,24 @@ def _below(st: _Step, below, group, row_ok):
   return dataclasses.replace(part, head_norm=zero, tail_norm=vmax)
 
 
+def _final(st: _Step, part, *, n_terms, failure_prob=0.0):
+  """``(o, Certificate, lse)`` of a finished row (``lse`` None unless
+  ``st.residual``: ``core.log_sum_exp_residual``)."""
+  o, cert = part.finalize(
+    n_terms=n_terms, failure_prob=failure_prob, scale_ok=st.scale_ok
+  )
+  lse = None
+  if st.residual:
+    lse = core.log_sum_exp_residual(part.log_head, cert.valid, st.n_valid == 0)
+  return o, cert, lse
+
+
 def _finish(st: _Step, part, *, failure_prob=0.0, keys_scored=None):
   if keys_scored is None:
     keys_scored = st.n_valid
   part = dataclasses.replace(part, keys_scored=keys_scored)
   n = st.s.shape[-1]
-  return part.finalize(
-    n_terms=2 * n, failure_prob=failure_prob, scale_ok=st.scale_ok
-  )
+  return _final(st, part, n_terms=2 * n, failure_prob=failure_prob)
 
 
 # ------------------------------------------------------------ candidates
@@ -448,9 +502,7 @@ def _topk_of(st: _Step, topk, capacity):
   def full():
     t, n_above = threshold.topk_threshold(st.s, topk, st.real)
     keep = _tie_break(st.s, st.real, t, n_above, topk)
-    return _full_row(st, keep, capacity).finalize(
-      n_terms=2 * n, scale_ok=st.scale_ok
-    )
+    return _finish(st, _full_row(st, keep, capacity))
 
   group = _group_for(n, capacity)
   if group < 4:
@@ -464,12 +516,12 @@ def _topk_of(st: _Step, topk, capacity):
   c = _candidates(st, lo, compact, group, _row_ok(bmax))
   t, n_above = threshold.topk_threshold(c.s, topk, c.ok)
   kept = _tie_break(c.s, c.ok, t, n_above, topk)
-  out, cert = _finish_candidates(st, c, kept, capacity)
+  result = _finish_candidates(st, c, kept, capacity)
   count = compact[2]
   # The bracket holds when >= topk keys are >= lo (then the topk-th largest
   # key is >= lo); it may not when a row's largest keys share few columns.
   fits = jnp.all(count <= cap) & jnp.all(count >= jnp.minimum(topk, st.n_valid))
-  return lax.cond(fits, lambda: (out, cert), full)
+  return lax.cond(fits, lambda: result, full)
 
 
 def _fixed_count(policy: FixedCount, st: _Step):
@@ -547,9 +599,7 @@ def _certified_exact(policy: Certified, st: _Step):
     t = threshold.budget_threshold(st.s, log_frac, real, relative=True)
     keep = real & (st.s >= t[..., None])
     keep = capped(st.s, real, keep, jnp.sum(keep, -1, dtype=jnp.int32))
-    return _full_row(st, keep, capacity).finalize(
-      n_terms=2 * n, scale_ok=st.scale_ok
-    )
+    return _finish(st, _full_row(st, keep, capacity))
 
   group = _largest_group(n, CERTIFIED_GROUP)
   if group < 4:
@@ -575,7 +625,8 @@ def _certified_exact(policy: Certified, st: _Step):
   keep = c.ok & (c.s >= t[..., None])
   keep = capped(c.s, c.ok, keep, jnp.sum(keep, -1, dtype=jnp.int32))
   n_keep = jnp.sum(keep, -1, dtype=jnp.int32)
-  out, cert = _finish_candidates(st, c, keep, capacity)
+  result = _finish_candidates(st, c, keep, capacity)
+  cert = result[1]
   holds = (
     jnp.all(lo > -jnp.inf)
     & jnp.all(compact[2] <= cap)
@@ -586,7 +637,7 @@ def _certified_exact(policy: Certified, st: _Step):
   over = cert.valid & (cert.tv_bound > policy.eps) & (st.delta < jnp.inf)
   if m_top is not None:
     over = over & (cert.k_kept < m_top)
-  return lax.cond(holds & ~jnp.any(over), lambda: (out, cert), full)
+  return lax.cond(holds & ~jnp.any(over), lambda: result, full)
 
 
 # ----------------------------------------------------------- delta / mc
@@ -606,7 +657,10 @@ def _certified_search(policy: Certified, st: _Step, rng):
   # Box bounds use the keys as read (subnormals as 0): widen by delta.
   u = u + st.delta[..., None]
   cnt = jnp.broadcast_to(box.count[:, :, None], u.shape)
-  valid = cache.valid()[:, 0]  # [b, n]
+  if st.valid.shape[2] == 1:
+    valid, g_axis = cache.valid()[:, 0], None  # [b, n]
+  else:  # folded query steps: each row its own causal prefix
+    valid, g_axis = st.valid[:, 0], 0  # [b, g, n]
   rngs = jax.random.split(rng, (b, hk, g))
   fn = functools.partial(
     search_row_partial,
@@ -616,11 +670,13 @@ def _certified_search(policy: Certified, st: _Step, rng):
     max_topk=policy.max_topk,
     block_summary_keys=2,  # the block's box: 2 d floats
   )
-  # q [b,hk,g,d], keys [b,hk,n,d], valid [b,n], u/cnt [b,hk,g,nb],
-  # delta [b,hk,g], rng [b,hk,g], norms [b,hk,n].
+  # q [b,hk,g,d], keys [b,hk,n,d], valid [b,n] (or [b,g,n]), u/cnt
+  # [b,hk,g,nb], delta [b,hk,g], rng [b,hk,g], norms [b,hk,n]. A block's
+  # box and count may hold positions past a row's prefix: they only bound
+  # more keys (sound); the row scores its real keys only.
   over_g = jax.vmap(
     lambda q, k, v, u_, c_, e, r, vn: fn(q, k, v, u_, c_, e, r, value_norms=vn),
-    in_axes=(0, None, None, 0, 0, 0, 0, None),
+    in_axes=(0, None, g_axis, 0, 0, 0, 0, None),
   )
   over_hk = jax.vmap(over_g, in_axes=(0, 0, None, 0, 0, 0, 0, 0))
   over_b = jax.vmap(over_hk, in_axes=(0, 0, 0, 0, 0, 0, 0, 0))
@@ -634,11 +690,7 @@ def _certified_search(policy: Certified, st: _Step, rng):
   p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), jnp.finfo(p.dtype).tiny)
   o = _kept_values_fn(keep, cache.values, capacity)(p)
   part = dataclasses.replace(part, o=o)
-  return part.finalize(
-    n_terms=n + n // bs,
-    failure_prob=policy.failure_prob,
-    scale_ok=st.scale_ok,
-  )
+  return _final(st, part, n_terms=n + n // bs, failure_prob=policy.failure_prob)
 
 
 # ------------------------------------------------------------- key codes
@@ -721,7 +773,9 @@ def _sample_says_codes(policy, query, cache, scale):
   return use, extra.astype(jnp.int32)
 
 
-def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
+def _certified_codes(
+  policy: Certified, query, cache: KVCache, scale, extra, *, q_len=1, residual
+):
   """Certified(eps) of every row from the key codes (THEORY 3.5).
 
   Bounds l <= s <= u of every key from its code (``key_codes``); the
@@ -740,6 +794,8 @@ def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
     scale: logit scale.
     extra: ``[]`` int32 products already computed for the row (Auto's
       sample), added to ``keys_scored``.
+    q_len: query steps folded into the groups (``_step``).
+    residual: whether to return the log-sum-exp residual.
   """
   q_in, q = _queries(query, cache)
   dt = q.dtype
@@ -747,7 +803,7 @@ def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
   u, lo = key_codes.code_bounds(
     q_in, cache.key_codes, cache.key_exponents, scale=scale
   )  # [b, hk, g, n]
-  st = _step(query, cache, scale, s=u)
+  st = _step(query, cache, scale, s=u, q_len=q_len, residual=residual)
   real = st.real
   n_terms = 2 * n
   margin = core.search_log_margin(n_terms, st.delta, dt)
@@ -847,20 +903,24 @@ def _certified_codes(policy: Certified, query, cache: KVCache, scale, extra):
     return _finish(st, part, keys_scored=base_cost + count)
 
   def exact():
-    out, cert = _certified_exact(policy, _step(query, cache, scale))
+    step = _step(query, cache, scale, q_len=q_len, residual=residual)
+    out, cert, lse = _certified_exact(policy, step)
     cost = cert.keys_scored + code_cost + extra
-    return out, dataclasses.replace(cert, keys_scored=cost)
+    return out, dataclasses.replace(cert, keys_scored=cost), lse
 
-  out, cert = scored()
+  result = scored()
+  cert = result[1]
   # Safety net: float rounding beyond the margins (or an aim that missed):
   # a valid row certified above eps is redone exactly.
   over = cert.valid & (cert.tv_bound > policy.eps) & (st.delta < jnp.inf)
   if m_top is not None:
     over = over & (cert.k_kept < m_top)
-  return lax.cond(jnp.any(over), exact, lambda: (out, cert))
+  return lax.cond(jnp.any(over), exact, lambda: result)
 
 
-def _codes_rows(policy: Certified, query, cache: KVCache, scale):
+def _codes_rows(
+  policy: Certified, query, cache: KVCache, scale, *, q_len=1, residual=False
+):
   """Certified over the key codes; with ``Auto``, each row its own choice.
 
   ``bound='codes'``: every row runs ``_certified_codes``. ``Auto``: rows
@@ -875,17 +935,20 @@ def _codes_rows(policy: Certified, query, cache: KVCache, scale):
   b, _, h, _ = query.shape
   hk = cache.keys.shape[1]
   g = h // hk
+  codes = functools.partial(_certified_codes, q_len=q_len, residual=residual)
   if not isinstance(policy.search, Auto):
-    return _certified_codes(policy, query, cache, scale, jnp.int32(0))
+    return codes(policy, query, cache, scale, jnp.int32(0))
   use, extra = _sample_says_codes(policy, query, cache, scale)  # [b, hk]
   extra_g = jnp.broadcast_to(extra[..., None], (b, hk, g))
 
   def all_codes():
-    return _certified_codes(policy, query, cache, scale, extra_g)
+    return codes(policy, query, cache, scale, extra_g)
 
   def exact(q, c, x):
-    out, cert = _certified_exact(policy, _step(q, c, scale))
-    return out, dataclasses.replace(cert, keys_scored=cert.keys_scored + x)
+    step = _step(q, c, scale, q_len=q_len, residual=residual)
+    out, cert, lse = _certified_exact(policy, step)
+    cert = dataclasses.replace(cert, keys_scored=cert.keys_scored + x)
+    return out, cert, lse
 
   def mixed():
     qr = query.reshape(b * hk, 1, g, -1)
@@ -896,14 +959,15 @@ def _codes_rows(policy: Certified, query, cache: KVCache, scale):
       x1 = jnp.broadcast_to(x1, (1, 1, g))
       return lax.cond(
         u1,
-        lambda: _certified_codes(policy, q1, c1, scale, x1),
+        lambda: codes(policy, q1, c1, scale, x1),
         lambda: exact(q1, c1, x1),
       )
 
     xs = (qr, _rows(cache), use.reshape(-1), extra.reshape(-1))
-    out, cert = lax.map(row, xs)  # [b hk, 1, 1, g, ...]
+    out, cert, lse = lax.map(row, xs)  # [b hk, 1, 1, g, ...]
     out = out.reshape(b, hk, g, -1)
-    return out, jax.tree.map(lambda x: x.reshape(b, hk, g), cert)
+    rows = jax.tree.map(lambda x: x.reshape(b, hk, g), (cert, lse))
+    return out, *rows
 
   return lax.cond(
     jnp.all(use),
@@ -912,38 +976,60 @@ def _codes_rows(policy: Certified, query, cache: KVCache, scale):
   )
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "static_scale"))
-def _xla_decode(query, cache, rng, scale, *, policy, static_scale):
-  b, _, h, _ = query.shape
+@functools.partial(
+  jax.jit, static_argnames=("policy", "static_scale", "residual")
+)
+def _xla_decode(query, cache, rng, scale, *, policy, static_scale, residual):
+  b, q_len, h, _ = query.shape
+  hk = cache.keys.shape[1]
   scale = scale if static_scale is None else static_scale
+  if q_len > 1:  # the steps folded into the groups, one pass over the keys
+    query = _fold(query, hk)
+  kw = dict(q_len=q_len, residual=residual)
   if isinstance(policy, Certified) and _by_codes(policy, cache):
-    out, cert = _codes_rows(policy, query, cache, scale)
+    out, cert, lse = _codes_rows(policy, query, cache, scale, **kw)
   elif isinstance(policy, Certified):
-    st = _step(query, cache, scale)
+    st = _step(query, cache, scale, **kw)
     if policy.search.scores_all:
-      out, cert = _certified_exact(policy, st)
+      out, cert, lse = _certified_exact(policy, st)
     else:
-      out, cert = _certified_search(policy, st, rng)
+      out, cert, lse = _certified_search(policy, st, rng)
   else:
-    out, cert = _fixed_count(policy, _step(query, cache, scale))
-  out = out.reshape(b, 1, h, -1).astype(query.dtype)  # [b, 1, h, dv]
-  cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
+    out, cert, lse = _fixed_count(policy, _step(query, cache, scale, **kw))
+  if q_len > 1:
+    out, cert, lse = jax.tree.map(
+      lambda x: _unfold(x, hk, q_len), (out, cert, lse)
+    )
+  else:
+    out = out.reshape(b, 1, h, -1)
+    cert, lse = jax.tree.map(lambda x: x.reshape(b, 1, h), (cert, lse))
+  out = out.astype(query.dtype)  # [b, q_len, h, dv]
+  if residual:
+    return out, cert, lse
   return out, cert
 
 
-def xla_decode_attention(query, cache, rng, *, policy, scale):
+def xla_decode_attention(
+  query, cache, rng, *, policy, scale, return_residual=False
+):
   """The XLA implementation of ``decode_attention`` (see there)."""
   checks.check_policy(policy, _BACKEND, SUPPORTS)
+  kw = dict(policy=policy, residual=return_residual)
   if isinstance(scale, float):  # static: exact in any compute dtype
-    return _xla_decode(
-      query, cache, rng, None, policy=policy, static_scale=scale
-    )
-  return _xla_decode(query, cache, rng, scale, policy=policy, static_scale=None)
+    return _xla_decode(query, cache, rng, None, static_scale=scale, **kw)
+  return _xla_decode(query, cache, rng, scale, static_scale=None, **kw)
 
 
-def _xla_op(query, cache, *, policy, scale, key):
+def _xla_op(query, cache, *, policy, scale, key, return_residual=False):
   scale, rng = checks.check_decode_call(query, cache, policy, scale, key)
-  return xla_decode_attention(query, cache, rng, policy=policy, scale=scale)
+  return xla_decode_attention(
+    query,
+    cache,
+    rng,
+    policy=policy,
+    scale=scale,
+    return_residual=return_residual,
+  )
 
 
 XLA_DECODE = registry.register(
@@ -968,11 +1054,19 @@ def decode_attention(
   scale=None,
   implementation: str | Sequence[str] | None = None,
   key=None,
-) -> tuple[jax.Array, Certificate]:
-  """Top-k attention of one new query per sequence over a KVCache.
+  return_residual: bool = False,
+) -> tuple[jax.Array, Certificate] | tuple[jax.Array, jax.Array, Certificate]:
+  """Top-k attention of the newest query steps of each sequence over a
+  KVCache.
 
   THEORY 8.1 and 6.5. Attends to the cache's filled positions (append the
-  current step with ``KVCache.append`` first). Fixed-count policies keep
+  current steps with ``KVCache.append`` first). A query of ``q_len`` > 1
+  steps (chunked prefill, speculative verification): step i of sequence b
+  sits at position ``length[b] - q_len + i`` and attends causally to the
+  positions <= its own; a step that falls before the sequence's first key
+  is a row with no real key (invalid, zeros). Every row is certified on its
+  own; the XLA op folds the steps into the query groups (one pass over the
+  keys, ``q_len`` rows x the cache per kv head). Fixed-count policies keep
   the ``topk`` largest logits (Ratio and PowerLaw count the filled
   positions) and gather only the kept values; Certified 'exact' keeps the
   fewest keys meeting eps (up to one finest histogram bin, see
@@ -987,8 +1081,9 @@ def decode_attention(
   the content index's search (``attention._index_search``).
 
   Args:
-    query: ``[batch, 1, num_heads, head_dim]``; num_heads a multiple of the
-      cache's kv heads.
+    query: ``[batch, q_len, num_heads, head_dim]``, q_len >= 1; num_heads a
+      multiple of the cache's kv heads. Ops that attend one step only
+      ('pallas', 'sharded') refuse q_len > 1 by name.
     cache: a KVCache (or an IndexedKVCache, which searches its groups).
     policy: a selection policy.
     scale: logit scale, default 1/sqrt(head_dim); a number >= float32's
@@ -999,11 +1094,21 @@ def decode_attention(
       order: one that refuses the call (a policy field, the scale, the
       cache type, the platform) falls through to the next.
     key: PRNG key for Certified(search='mc').
+    return_residual: also return the log-sum-exp residual (below), to merge
+      partial results with ``merge_attention``; ops that cannot refuse it
+      by name.
 
   Returns:
-    ``(output, certificate)``: ``[batch, 1, num_heads, head_dim_v]`` in the
-    query's dtype (zeros for an empty cache row) and a Certificate with
-    arrays ``[batch, 1, num_heads]`` (valid = False for an empty row).
+    ``(output, certificate)``: ``[batch, q_len, num_heads, head_dim_v]`` in
+    the query's dtype (zeros for a row with no real key) and a Certificate
+    with arrays ``[batch, q_len, num_heads]`` (valid = False for such a
+    row). With ``return_residual``, ``(output, lse, certificate)``: ``lse``
+    ``[batch, q_len, num_heads]`` in the compute dtype (float32 for
+    float32/bfloat16 queries), the log-sum-exp of the scaled (computed)
+    logits of the kept keys, from which the output was computed; the most
+    negative finite float (log 0) for a row with no real key, NaN for a
+    row with keys that is not valid (``core.log_sum_exp_residual``). Not
+    differentiable (a stop-gradient).
 
   Raises:
     TypeError: a non-policy, or a query that is not real floating.
@@ -1018,18 +1123,27 @@ def decode_attention(
   query = checks.check_array(query, "query")
   if not isinstance(policy, Policy):
     raise TypeError(f"{policy=} must be a jaxtopk selection policy")
+  if not isinstance(return_residual, bool):
+    raise TypeError(f"{return_residual=} must be a bool")
 
   def call(op):
-    return op.fn(query, cache, policy=policy, scale=scale, key=key)
+    kw = dict(return_residual=True) if return_residual else {}
+    return op.fn(query, cache, policy=policy, scale=scale, key=key, **kw)
 
-  return registry.dispatch(
+  result = registry.dispatch(
     "decode",
     implementation,
     call,
     policy=policy,
     cache=cache,
-    given=registry.scale_arguments(scale),
+    given=registry.decode_arguments(
+      query, scale=scale, return_residual=return_residual
+    ),
   )
+  if not return_residual:
+    return result
+  out, cert, lse = result
+  return out, lax.stop_gradient(lse), cert
 
 
 def topk_indices(s, topk, valid, max_topk):

@@ -285,7 +285,14 @@ class IndexedKVCache:
     return self.keys.shape[-1]
 
   def decode_attention(
-    self, query, *, policy, scale=None, implementation=None, key=None
+    self,
+    query,
+    *,
+    policy,
+    scale=None,
+    implementation=None,
+    key=None,
+    return_residual=False,
   ):
     """``jaxtopk.decode_attention`` over this index (see there)."""
     return _decode.decode_attention(
@@ -295,6 +302,7 @@ class IndexedKVCache:
       scale=scale,
       implementation=implementation,
       key=key,
+      return_residual=return_residual,
     )
 
 

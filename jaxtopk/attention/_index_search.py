@@ -286,6 +286,9 @@ def _grow_row(
   rounds,
   max_groups,
   n_terms,
+  positions=None,
+  prefix=None,
+  with_lse=False,
 ):
   """Scores whole groups in rounds, by bound, until tau <= eps certified.
 
@@ -306,6 +309,12 @@ def _grow_row(
     rounds: static groups per round.
     max_groups: static cap on the groups scored.
     n_terms: static number of terms of the row (keys plus groups).
+    positions: optional ``[B * G, C]`` sequence position of every slot
+      (flat as ``keys``), with ``prefix``: the row attends to the positions
+      < ``prefix`` only (a query step's causal prefix); the group bounds
+      still cover every member (sound, looser).
+    prefix: int, with ``positions``.
+    with_lse: static, also return log Z of the kept keys (last).
 
   A round whose mass is below ``eps' / (16 * max_rounds)`` of the mass
   scored so far (eps' = eps e^{-margin}, the margin the certificate needs)
@@ -360,6 +369,8 @@ def _grow_row(
     ok = (jnp.arange(c_sz)[None, :] < count[gi][:, None]) & ok_g[:, None]
     if exclude is not None:
       ok = ok & ~exclude[gi]
+    if positions is not None:
+      ok = ok & (positions[base + gi] < prefix)
     s = jnp.einsum("rcd,d->rc", kb.astype(dt), q, precision=core.PRECISION)
     s = s * scale  # [R, C]
     # The rule of ``core.logits_ok``: NaN / +inf invalid, -inf zero mass.
@@ -422,7 +433,8 @@ def _grow_row(
     ok=True,
   )
   has_head = (z > 0) & jnp.isfinite(m)
-  return o, log_tv, scored, kept & scored, n_sc, n_kp, has_head, fin
+  res = (o, log_tv, scored, kept & scored, n_sc, n_kp, has_head, fin)
+  return (*res, lse(m, z)) if with_lse else res
 
 
 def _rows(index, g):
@@ -448,6 +460,20 @@ def _map_rows(fn, *args, few_rounds=False):
   if few_rounds:
     return jax.vmap(fn)(*args)
   return lax.map(lambda a: fn(*a), args)
+
+
+def _row_limits(index, q_len, g):
+  """``(limit [b, hk, g], positions [B * G, C] or None, empty [b, hk,
+  g])``: each row's causal prefix (``_decode._row_limits``; no limit and
+  no positions for one step) and the rows with no real key."""
+  b, hk = index.count.shape[:2]
+  if q_len == 1:
+    limit = jnp.broadcast_to(index.length[:, None, None], (b, hk, g))
+    return limit, None, limit == 0
+  limit = _decode._row_limits(index.length, q_len, g)  # [b, g]
+  limit = jnp.broadcast_to(limit[:, None], (b, hk, g))
+  positions = index.position.reshape(-1, index.group_size)
+  return limit, positions, limit == 0
 
 
 def _flat_kv(index):
@@ -479,11 +505,17 @@ def _finish(
   query_dtype,
   scale_ok=True,
   failure_prob=0.0,
+  q_len=1,
+  log_head=None,
+  empty=None,
 ):
   """Validity (``core.row_valid``), Certificate, output in the query dtype.
 
   The output error includes how far the kept logits' rounding moves the
   output (``core.logit_output_error``, added by ``finish_certificate``).
+  ``q_len`` > 1: the rows hold folded query steps (``_decode._unfold``).
+  ``log_head`` (with ``empty``, the rows with no real key): also returns
+  the log-sum-exp residual (``core.log_sum_exp_residual``).
   """
   b, h = shape
   norms_ok = ~(jnp.isnan(head_norm) | jnp.isnan(tail_norm))
@@ -505,9 +537,19 @@ def _finish(
     failure_prob=failure_prob,
   )
   out = jnp.where(valid[..., None], out, 0.0)
-  out = out.reshape(b, 1, h, -1).astype(query_dtype)
-  cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
-  return out, cert
+  lse = None
+  if log_head is not None:
+    lse = core.log_sum_exp_residual(log_head, valid, empty)
+  if q_len > 1:
+    hk = out.shape[1]
+    out, cert, lse = jax.tree.map(
+      lambda x: _decode._unfold(x, hk, q_len), (out, cert, lse)
+    )
+  else:
+    out = out.reshape(b, 1, h, -1)
+    cert, lse = jax.tree.map(lambda x: x.reshape(b, 1, h), (cert, lse))
+  out = out.astype(query_dtype)
+  return (out, cert) if log_head is None else (out, cert, lse)
 
 
 def _summary_cost(index):
@@ -529,10 +571,26 @@ def _split_scale(scale):
   return None, scale
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "scale"))
-def _search_decode(query, index, rng, eps, dyn_scale=None, *, policy, scale):
+@functools.partial(
+  jax.jit, static_argnames=("policy", "scale", "q_len", "residual")
+)
+def _search_decode(
+  query,
+  index,
+  rng,
+  eps,
+  dyn_scale=None,
+  *,
+  policy,
+  scale,
+  q_len=1,
+  residual=False,
+):
   """Delta/MC-Search; ``eps`` is traced (``policy.eps`` is not read), so a
-  sweep over eps compiles once."""
+  sweep over eps compiles once. ``q_len`` > 1: folded query steps
+  (``_decode._fold``), each row limited to its causal prefix;
+  ``residual``: the log-sum-exp residual is returned after the
+  Certificate."""
   scale, scale_ok = _scale_of(scale, dyn_scale)
   b, _, h, d = query.shape
   dt = _dtype(query, index)
@@ -578,11 +636,13 @@ def _search_decode(query, index, rng, eps, dyn_scale=None, *, policy, scale):
     rounds=index.groups_per_round,
     max_groups=g_num,
     n_terms=g_num * c_sz + g_num,
+    with_lse=residual,
   )
+  limit, positions, empty = _row_limits(index, q_len, g)
   base, count = _rows(index, g)
-  out, log_tv, _, kept, n_sc, n_kp, has_head, fin = _map_rows(
-    lambda q, bs, c, lm, m0, z0, o0, de, er: row(
-      q, bs, c, lm, (m0, z0, o0), None, de, er
+  res = _map_rows(
+    lambda q, bs, c, lm, m0, z0, o0, de, er, li: row(
+      q, bs, c, lm, (m0, z0, o0), None, de, er, positions=positions, prefix=li
     ),
     q.reshape(rows, d),
     base,
@@ -591,18 +651,21 @@ def _search_decode(query, index, rng, eps, dyn_scale=None, *, policy, scale):
     *init,
     delta.reshape(rows),
     err.reshape(rows),
+    limit.reshape(rows),
     few_rounds=g_num <= 4 * index.groups_per_round,
   )
+  out, log_tv, _, kept, n_sc, n_kp, has_head, fin = res[:8]
   shape = (b, hk, g)
   out = out.reshape(*shape, dv)
   log_tv, n_sc, n_kp, has_head, fin = (
     x.reshape(shape) for x in (log_tv, n_sc, n_kp, has_head, fin)
   )
+  log_head = res[8].reshape(shape) if residual else None
   kept = kept.reshape(*shape, g_num)
   vn = index.vnorm[:, :, None]  # [b, hk, 1, G]
   live = cnt > 0
   cost = _summary_cost(index)[..., None] + n_samp
-  out, cert = _finish(
+  out = _finish(
     out,
     log_tv,
     has_head,
@@ -616,13 +679,26 @@ def _search_decode(query, index, rng, eps, dyn_scale=None, *, policy, scale):
     query.dtype,
     scale_ok=scale_ok,
     failure_prob=policy.failure_prob,
+    q_len=q_len,
+    log_head=log_head,
+    empty=empty,
   )
-  return out, cert, kept  # kept: [b, hk, g, G] groups kept
+  return (*out, kept)  # kept: [b, hk, g, G] groups kept
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "scale"))
-def _full_decode(query, index, dyn_scale=None, *, policy, scale):
-  """Every stored key scored: 'exact' and fixed-count policies."""
+@functools.partial(
+  jax.jit, static_argnames=("policy", "scale", "q_len", "residual")
+)
+def _full_decode(
+  query, index, dyn_scale=None, *, policy, scale, q_len=1, residual=False
+):
+  """Every stored key scored: 'exact' and fixed-count policies.
+
+  ``q_len`` > 1: ``query`` holds the steps folded into the groups
+  (``_decode._fold``), each row limited to the positions <= its own.
+  ``residual``: also returns the log-sum-exp residual
+  (``core.log_sum_exp_residual``).
+  """
   scale, scale_ok = _scale_of(scale, dyn_scale)
   b, _, h, d = query.shape
   dt = _dtype(query, index)
@@ -634,6 +710,10 @@ def _full_decode(query, index, dyn_scale=None, *, policy, scale):
   s = s * scale  # [b, hk, g, n]
   valid = (jnp.arange(c_sz) < index.count[..., None]).reshape(bb, hk, -1)
   valid = jnp.broadcast_to(valid[:, :, None], s.shape)
+  if q_len > 1:  # each row its causal prefix (position -1: an empty slot)
+    limit = _decode._row_limits(index.length, q_len, s.shape[2])  # [b, g]
+    pos = index.position.reshape(bb, hk, 1, -1)
+    valid = valid & (pos >= 0) & (pos < limit[:, None, :, None])
   delta, _ = row_errors(q, qf, index, scale)
   norms = core.value_norms(v)[:, :, None]  # [b, hk, 1, n]
   sel = selection.select_rows(
@@ -662,17 +742,36 @@ def _full_decode(query, index, dyn_scale=None, *, policy, scale):
     tail_norm=core.max_norm(norms, valid & ~keep),
     logit_error=delta,
   )
-  out = jnp.where(ok[..., None], out, 0.0).reshape(b, 1, h, -1)
-  cert = jax.tree.map(lambda x: x.reshape(b, 1, h), cert)
+  out = jnp.where(ok[..., None], out, 0.0)
+  lse = None
+  if residual:
+    empty = ~jnp.any(valid, -1)
+    log_head = m[..., 0] + jnp.log(den[..., 0])
+    lse = core.log_sum_exp_residual(log_head, cert.valid, empty)
+  if q_len > 1:
+    out, cert, lse = jax.tree.map(
+      lambda x: _decode._unfold(x, hk, q_len), (out, cert, lse)
+    )
+  else:
+    out = out.reshape(b, 1, h, -1)
+    cert, lse = jax.tree.map(lambda x: x.reshape(b, 1, h), (cert, lse))
+  if residual:
+    return out.astype(query.dtype), cert, lse
   return out.astype(query.dtype), cert
 
 
-def _check_query(query, index, name="query"):
+def _check_query(query, index, name="query", steps=False):
+  """``query`` checked: ``[b, 1, h, d]``, or ``[b, q_len >= 1, h, d]`` with
+  ``steps``."""
   query = checks.check_array(query, name)
   b, hk, _, _, d = index.keys.shape
-  if query.ndim != 4 or query.shape[:2] != (b, 1) or query.shape[3] != d:
+  fits = query.ndim == 4 and query.shape[0] == b and query.shape[3] == d
+  if fits and not (query.shape[1] >= 1 if steps else query.shape[1] == 1):
+    fits = False
+  if not fits:
+    t = "q_len >= 1" if steps else "1"
     raise ValueError(
-      f"{name} must be [batch={b}, 1, num_heads, head_dim={d}]; got"
+      f"{name} must be [batch={b}, {t}, num_heads, head_dim={d}]; got"
       f" {query.shape=}"
     )
   if query.shape[2] % hk:
@@ -690,7 +789,11 @@ def index_decode_attention(
   scale=None,
   implementation: str | None = None,
   key=None,
-) -> tuple[jax.Array, selection.Certificate]:
+  return_residual: bool = False,
+) -> (
+  tuple[jax.Array, selection.Certificate]
+  | tuple[jax.Array, jax.Array, selection.Certificate]
+):
   """``decode_attention`` over an IndexedKVCache (module docstring).
 
   ``Certified(eps, 'delta' | 'mc')`` search the groups (``block_size`` must
@@ -700,8 +803,15 @@ def index_decode_attention(
   as ``decode_attention`` (``checks.check_scale``: a traced scale is fine,
   rows are invalid where it is not finite and >= ``core.MIN_SCALE``).
 
+  A query of q_len > 1 steps (``decode_attention``'s causal rule): the
+  steps are folded into the query groups (``_decode._fold``), every row
+  limited to its causal prefix (its keys past it are never scored; the
+  group bounds still cover them: sound). ``return_residual``: the
+  log-sum-exp residual of every path.
+
   Returns:
-    ``(output [b, 1, h, dv], Certificate [b, 1, h])``.
+    ``(output [b, q_len, h, dv], Certificate [b, q_len, h])``, or
+    ``(output, lse, Certificate)`` with ``return_residual``.
 
   Raises:
     ValueError: on bad shapes, scale, implementation or a refused field.
@@ -710,7 +820,7 @@ def index_decode_attention(
   """
   if not isinstance(policy, selection.Policy):
     raise TypeError(f"{policy=} must be a jaxtopk selection policy")
-  query = _check_query(query, index)
+  query = _check_query(query, index, steps=True)
   static, dynamic = _split_scale(checks.check_scale(scale, index.head_dim))
   if implementation not in (None, "xla"):
     raise ValueError(
@@ -718,10 +828,16 @@ def index_decode_attention(
       " or 'xla'"
     )
   policy.require(_BACKEND, supports(policy))
+  q_len = query.shape[1]
+  if q_len > 1:  # the steps folded into the groups, one pass per row
+    query = _decode._fold(query, index.keys.shape[1])
+  kw = dict(q_len=q_len, residual=return_residual)
   if isinstance(policy, selection.Certified) and _index_by_codes(policy):
-    return _codes_decode(query, index, policy, static, dynamic)
+    return _codes_decode(query, index, policy, static, dynamic, **kw)
   if not isinstance(policy, selection.Certified) or not _searching(policy):
-    return _full_decode(query, index, dynamic, policy=policy, scale=static)
+    return _full_decode(
+      query, index, dynamic, policy=policy, scale=static, **kw
+    )
   if policy.block_size != index.group_size:
     raise ValueError(
       f"Certified.block_size={policy.block_size} must equal the index's"
@@ -730,7 +846,7 @@ def index_decode_attention(
   if policy.search.needs_rng and key is None:
     raise ValueError("search='mc' needs a PRNG key: pass key=")
   rng = jax.random.key(0) if key is None else key
-  out, cert, _ = _search_decode(
+  res = _search_decode(
     query,
     index,
     rng,
@@ -738,8 +854,9 @@ def index_decode_attention(
     dynamic,
     policy=selection.Certified(0.5, policy.search),  # eps is traced
     scale=static,
+    **kw,
   )
-  return out, cert
+  return res[:-1]  # (out, cert) or (out, cert, lse)
 
 
 # What the index honours, by the path a policy takes (``supports``): every
@@ -791,7 +908,9 @@ def _index_by_codes(policy) -> bool:
   )
 
 
-def _codes_decode(query, index, policy, scale, dyn_scale=None):
+def _codes_decode(
+  query, index, policy, scale, dyn_scale=None, *, q_len=1, residual=False
+):
   """``decode_attention`` over the index with the key codes (THEORY 3.5).
 
   Each row bounds its groups by the sum of their members' code bounds and
@@ -803,26 +922,43 @@ def _codes_decode(query, index, policy, scale, dyn_scale=None):
   look concentrated enough for the codes to pay scores every group
   instead, and costs its keys plus the sample (when no row of the call
   does, the exact search runs); ``max_topk`` (which the group search does
-  not cap) takes the exact search.
+  not cap) takes the exact search. ``q_len`` and ``residual`` as
+  ``_search_decode``'s (``query`` folded).
   """
   auto = isinstance(policy.search, selection.Auto)
   full = functools.partial(
-    _full_decode, query, index, dyn_scale, policy=policy, scale=scale
+    _full_decode,
+    query,
+    index,
+    dyn_scale,
+    policy=policy,
+    scale=scale,
+    q_len=q_len,
+    residual=residual,
   )
+  b, _, h, _ = query.shape
+  hk = index.keys.shape[1]
+
+  def plus(res, extra):  # keys_scored + extra [b, 1, h] (folded rows)
+    if q_len > 1:
+      extra = _decode._unfold(extra.reshape(b, hk, -1), hk, q_len)
+    cert = res[1]
+    cert = dataclasses.replace(cert, keys_scored=cert.keys_scored + extra)
+    return (res[0], cert, *res[2:])
+
   if auto and index.max_len < _decode.AUTO_MIN_KEYS:
     return full()  # short caches: the exact search, as over a KVCache
   if auto and policy.max_topk is not None:
-    out, cert = full()
+    res = full()
     _, extra = _index_sample(
       query, index, dyn_scale, eps=policy.eps, scale=scale
     )
-    return out, dataclasses.replace(cert, keys_scored=cert.keys_scored + extra)
+    return plus(res, extra)
   if policy.max_topk is not None:
     raise selection.UnsupportedPolicyError(
       f"Certified.max_topk={policy.max_topk} is not supported by"
       f" {_BACKEND} with bound='codes'"
     )
-  b, _, h, _ = query.shape
   if auto:
     use, extra = _index_sample(
       query, index, dyn_scale, eps=policy.eps, scale=scale
@@ -832,18 +968,27 @@ def _codes_decode(query, index, policy, scale, dyn_scale=None):
     extra = jnp.zeros((b, 1, h), jnp.int32)
 
   def search():
-    out, cert, _ = _codes_search(
-      query, index, use, jnp.float32(policy.eps), dyn_scale, scale=scale
+    res = _codes_search(
+      query,
+      index,
+      use,
+      jnp.float32(policy.eps),
+      dyn_scale,
+      scale=scale,
+      q_len=q_len,
+      residual=residual,
     )
-    return out, cert
+    return res[:-1]
 
   # No row takes the codes: the exact search (its minimal kept set).
-  out, cert = lax.cond(jnp.any(use), search, full) if auto else search()
-  return out, dataclasses.replace(cert, keys_scored=cert.keys_scored + extra)
+  res = lax.cond(jnp.any(use), search, full) if auto else search()
+  return plus(res, extra)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def _codes_search(query, index, use, eps, dyn_scale=None, *, scale):
+@functools.partial(jax.jit, static_argnames=("scale", "q_len", "residual"))
+def _codes_search(
+  query, index, use, eps, dyn_scale=None, *, scale, q_len=1, residual=False
+):
   """Group search bounded by the members' codes, one row after the other.
 
   Per row (``lax.map``): where ``use`` the row's code bounds (its kv head's
@@ -853,7 +998,8 @@ def _codes_search(query, index, use, eps, dyn_scale=None, *, scale):
   until eps is certified. Elsewhere every group's bound is +inf: all are
   scored (the exact search, no code read). No ball summary is read (the
   codes bound each key more tightly than its group's ball): the summary
-  cost is the 2 of the query's norms.
+  cost is the 2 of the query's norms. ``q_len`` and ``residual`` as
+  ``_search_decode``'s (a row's code bounds then sum its prefix only).
   """
   scale, scale_ok = _scale_of(scale, dyn_scale)
   b, _, h, d = query.shape
@@ -874,7 +1020,9 @@ def _codes_search(query, index, use, eps, dyn_scale=None, *, scale):
     rounds=rounds,
     max_groups=g_num,
     n_terms=g_num * c_sz + g_num,
+    with_lse=residual,
   )
+  limit, positions, empty = _row_limits(index, q_len, g)
   codes = index.key_codes.reshape(b * hk, d, n)
   expo = index.key_exponents.reshape(b * hk, n)
   slot = index.slot.reshape(b * hk, n)
@@ -885,12 +1033,14 @@ def _codes_search(query, index, use, eps, dyn_scale=None, *, scale):
   dv = index.values.shape[-1]
   n_rounds = -(-g_num // rounds)
 
-  def one(q1, bs, c, lv, kr, u1, de, ab):
+  def one(q1, bs, c, lv, kr, u1, de, ab, li=None):
     def by_codes():
       uk = key_codes.code_bounds(
         q1[None], codes[kr], expo[kr], scale=scale, upper_only=True
       )[0]  # [n]
-      return _code_group_mass(uk, slot[kr], length[kr], None, g_num, c_sz)
+      slots = slot[kr]
+      prefix = length[kr] if q_len == 1 else li  # the row's causal prefix
+      return _code_group_mass(uk, slots, prefix, None, g_num, c_sz)
 
     def everything():
       return jnp.where(lv, jnp.inf, -jnp.inf).astype(dt)
@@ -899,14 +1049,16 @@ def _codes_search(query, index, use, eps, dyn_scale=None, *, scale):
     lm = jnp.where(lv, lm, -jnp.inf)
     err = _err_units(ab, lm, n_rounds)
     init = (jnp.asarray(-jnp.inf, dt), jnp.zeros((), dt), jnp.zeros((dv,), dt))
-    res = row(q1, bs, c, lm, init, None, de, err)
+    res = row(
+      q1, bs, c, lm, init, None, de, err, positions=positions, prefix=li
+    )
     code = jnp.where(
       u1, key_codes.code_cost(length[kr], d, index.keys.dtype), 0
     )
     return (*res, code)
 
   rows = b * hk * g
-  out, log_tv, _, kept, n_sc, n_kp, has_head, fin, code = lax.map(
+  res = lax.map(
     lambda a: one(*a),
     (
       q.reshape(rows, d),
@@ -917,8 +1069,12 @@ def _codes_search(query, index, use, eps, dyn_scale=None, *, scale):
       use.reshape(b, hk, g).reshape(rows),
       delta.reshape(rows),
       abs_s.reshape(rows),
+      *((limit.reshape(rows),) if q_len > 1 else ()),
     ),
   )
+  out, log_tv, _, kept, n_sc, n_kp, has_head, fin = res[:8]
+  code = res[-1]
+  log_head = res[8].reshape(b, hk, g) if residual else None
   shape = (b, hk, g)
   out = out.reshape(*shape, dv)
   log_tv, n_sc, n_kp, has_head, fin, code = (
@@ -927,7 +1083,7 @@ def _codes_search(query, index, use, eps, dyn_scale=None, *, scale):
   kept = kept.reshape(*shape, g_num)
   vn = index.vnorm[:, :, None]  # [b, hk, 1, G]
   live = jnp.broadcast_to(index.count[:, :, None] > 0, kept.shape)
-  out, cert = _finish(
+  out = _finish(
     out,
     log_tv,
     has_head,
@@ -940,8 +1096,11 @@ def _codes_search(query, index, use, eps, dyn_scale=None, *, scale):
     (b, h),
     query.dtype,
     scale_ok=scale_ok,
+    q_len=q_len,
+    log_head=log_head,
+    empty=empty,
   )
-  return out, cert, kept  # kept: [b, hk, g, G] groups kept
+  return (*out, kept)  # kept: [b, hk, g, G] groups kept
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "scale"))
@@ -1376,9 +1535,14 @@ def _kept_positions(index, scored, pos):
   return rows.reshape(b, 1, hk * g, n)
 
 
-def _index_op(query, cache, *, policy, scale, key):
+def _index_op(query, cache, *, policy, scale, key, return_residual=False):
   return index_decode_attention(
-    query, cache, policy=policy, scale=scale, key=key
+    query,
+    cache,
+    policy=policy,
+    scale=scale,
+    key=key,
+    return_residual=return_residual,
   )
 
 

@@ -800,7 +800,10 @@ def blockwise_attention(
     def one(i):
       part, keep = fn(i)
       o, cert = part.finalize(n_terms=n_terms, scale_ok=scale_ok)
-      lse = part.log_head if return_lse else None  # -inf: nothing kept
+      lse = None
+      if return_lse:  # log 0 for a row with no key of mass, NaN if broken
+        empty = (part.denom == 0) & (part.tail_sum == 0) & part.logits_ok
+        lse = core.log_sum_exp_residual(part.log_head, cert.valid, empty)
       return o, cert, lse, keep
 
     return jax.checkpoint(one)

@@ -413,9 +413,10 @@ def check_policy(policy, backend: str, supports: Iterable[str]) -> None:
 
 def check_decode_call(query, cache, policy, scale, key):
   """The checks of a decode call over a KVCache, shared by its ops: the
-  query ``[batch, 1, num_heads, head_dim]`` against the cache's
-  ``[batch, num_kv_heads, max_len, head_dim]`` keys, the scale, the PRNG
-  key.
+  query ``[batch, q_len, num_heads, head_dim]`` (q_len >= 1; an op that
+  attends one step refuses q_len > 1 through the registry) against the
+  cache's ``[batch, num_kv_heads, max_len, head_dim]`` keys, the scale,
+  the PRNG key.
 
   Returns:
     ``(scale, rng)``: ``check_scale``'s scale and ``check_rng``'s key.
@@ -425,10 +426,15 @@ def check_decode_call(query, cache, policy, scale, key):
       MC-Search without a key.
   """
   b, hk, _, d = cache.keys.shape
-  if query.ndim != 4 or query.shape[:2] != (b, 1) or query.shape[3] != d:
+  if (
+    query.ndim != 4
+    or query.shape[0] != b
+    or query.shape[1] < 1
+    or query.shape[3] != d
+  ):
     raise ValueError(
-      f"query must be [batch={b}, 1, num_heads, head_dim={d}]; got"
-      f" {query.shape=}"
+      f"query must be [batch={b}, q_len >= 1, num_heads, head_dim={d}];"
+      f" got {query.shape=}"
     )
   if query.shape[2] == 0 or query.shape[2] % hk:
     raise ValueError(

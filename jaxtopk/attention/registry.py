@@ -38,12 +38,14 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jaxtopk.selection import Policy
 from jaxtopk.selection import UnsupportedPolicyError
 
 # The optional arguments of topk_attention an op may take (besides query,
-# key, value, policy, values_bound), and of decode_attention.
+# key, value, policy, values_bound), and of decode_attention ('multi_query':
+# a query of q_len > 1 steps).
 PREFILL_ARGUMENTS = frozenset(
   {
     "bias",
@@ -56,7 +58,7 @@ PREFILL_ARGUMENTS = frozenset(
     "traced_scale",
   }
 )
-DECODE_ARGUMENTS = frozenset({"traced_scale"})
+DECODE_ARGUMENTS = frozenset({"multi_query", "return_residual", "traced_scale"})
 PLATFORMS = frozenset({"cpu", "gpu", "tpu"})
 KINDS = ("prefill", "decode")
 MASKS = ("any", "padding")
@@ -82,7 +84,9 @@ class AttentionOp:
       Certificate, lse)`` on checked, batched arguments (``lse`` None unless
       ``return_residual``). Decode: ``fn(query, cache, *, policy, scale,
       key) -> (output, Certificate)`` on unchecked arguments (it checks
-      its own shapes, scale and PRNG key).
+      its own shapes, scale and PRNG key); an op that takes
+      'return_residual' is called with ``return_residual=True`` when asked
+      and then returns ``(output, Certificate, lse)``.
     label: how errors name the path, e.g.
       "topk_attention(implementation='xla')".
     supports: policy features honoured (``selection.capabilities``).
@@ -161,6 +165,11 @@ class AttentionOp:
           f"{self.label} needs a static (Python number) scale; got a traced"
           " array. Use implementation='xla' for a traced scale."
         )
+      if name == "multi_query":
+        return NotImplementedError(
+          f"{self.label} attends one query step per sequence (q_len = 1);"
+          " got a query of q_len > 1. Use implementation='xla'."
+        )
       return NotImplementedError(
         f"{self.label} does not take {name}=; use implementation='xla'"
       )
@@ -219,6 +228,16 @@ def prefill_arguments(
   if return_residual:
     given.add("return_residual")
   return frozenset(given | scale_arguments(scale))
+
+
+def decode_arguments(query, *, scale=None, return_residual=False):
+  """The optional arguments a decode call uses (``DECODE_ARGUMENTS``)."""
+  given = set(scale_arguments(scale))
+  if jnp.ndim(query) == 4 and jnp.shape(query)[1] > 1:
+    given.add("multi_query")
+  if return_residual:
+    given.add("return_residual")
+  return frozenset(given)
 
 
 def scale_arguments(scale) -> frozenset[str]:

@@ -108,9 +108,10 @@ def library_attention(
   needs_key = isinstance(policy, Certified) and policy.search.needs_rng
   if needs_key and rng is None:
     raise ValueError(f"{policy} decodes with MC-Search: pass rng=")
-  return decode_attention(
+  res = decode_attention(
     query, cache, policy=policy, key=rng if needs_key else None
   )
+  return res[0], res[-1]  # (output, Certificate): no residual asked for
 
 
 @dataclasses.dataclass(frozen=True)

@@ -281,7 +281,7 @@ DECODE_OP = registry.register(
     fn=_decode_op,
     label="decode_attention(implementation='sharded')",
     supports=_kv_sharded.SUPPORTS,
-    arguments=registry.DECODE_ARGUMENTS,
+    arguments=frozenset({"traced_scale"}),  # one query step, no residual
     cache_types=(KVCache,),
   )
 )

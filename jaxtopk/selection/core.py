@@ -516,6 +516,26 @@ def finite_log(log_x) -> jax.Array:
   return jnp.where(log_x == -jnp.inf, jnp.finfo(log_x.dtype).min, log_x)
 
 
+def log_sum_exp_residual(log_head, valid, empty) -> jax.Array:
+  """The attention log-sum-exp residual of rows, as returned to users.
+
+  log Z_H (the log-sum-exp of the computed logits of the kept keys) where
+  the row is ``valid``; log 0 (``finite_log``'s stand-in) for a row with no
+  real key, which weighs nothing when partial results are merged; NaN for
+  a row that had real keys but could not be certified (a NaN logit, a bad
+  scale), so that a merge never treats it as empty.
+
+  Args:
+    log_head: ``[...]`` log Z_H (``Partial.log_head``).
+    valid: ``[...]`` bool, the certificate's ``valid``.
+    empty: ``[...]`` bool, rows that hold no real key.
+  """
+  log_head = jnp.asarray(log_head)
+  nan = jnp.asarray(jnp.nan, log_head.dtype)
+  lse = jnp.where(valid, log_head, jnp.where(empty, -jnp.inf, nan))
+  return finite_log(lse)
+
+
 def finish_certificate(
   log_tv,
   valid,

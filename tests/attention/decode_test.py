@@ -200,7 +200,7 @@ class DecodeTest(parameterized.TestCase):
       np.testing.assert_array_equal(out[1], 0.0)
 
   @parameterized.named_parameters(
-    ("query", dict(q_shape=(B, 2, H, D)), ValueError, "query"),
+    ("query", dict(q_shape=(B, 0, H, D)), ValueError, "q_len"),
     ("heads", dict(q_shape=(B, 1, 5, D)), ValueError, "multiple"),
     ("pallas", dict(implementation="pallas"), NotImplementedError, "pallas"),
     ("block", dict(policy=jaxtopk.Certified(0.1, "delta")), ValueError, "64"),

@@ -186,6 +186,76 @@ def _decode(implementation):
   return build
 
 
+def _decode_steps(policy, dtype):
+  """``decode_attention`` with several query steps: each row's query is
+  step 0 of ``_STEPS``, so it attends to the row's keys only, while the
+  later (zero) steps see ``_STEPS - 1`` zero keys appended behind them:
+  the per-step causal limit is what keeps those keys out of the row."""
+  del dtype
+  bs = _block(policy)
+
+  def fn(q, k, v, mask, bias):
+    del bias
+    b, t, h, d = q.shape
+    n, hk, e = k.shape[1], k.shape[2], v.shape[3]
+    kk, vv, length = _rows_first(k, v, mask)
+    extra = _STEPS - 1
+    max_len = -(-(n + extra) // bs) * bs
+    cache = jaxtopk.KVCache.create(
+      b * t, max_len, hk, d, block_size=bs, dtype=k.dtype, value_dim=e
+    )
+    cache = cache.append(kk, vv, num_steps=length)
+    cache = cache.append(
+      jnp.zeros((b * t, extra, hk, d), k.dtype),
+      jnp.zeros((b * t, extra, hk, e), v.dtype),
+    )
+    later = jnp.zeros((b * t, extra, h, d), q.dtype)
+    qs = jnp.concatenate([q.reshape(b * t, 1, h, d), later], axis=1)
+    out, cert = jaxtopk.decode_attention(
+      qs, cache, policy=policy, key=jax.random.key(0)
+    )
+    out = out[:, 0].reshape(b, t, h, e)
+    cert = jax.tree.map(lambda x: x[:, 0].reshape(b, t, h), cert)
+    return out, cert
+
+  return fn
+
+
+_STEPS = 3
+
+
+def _index_steps(policy, dtype):
+  """``_decode_steps`` over a content index: each row's keys, then
+  ``_STEPS - 1`` zero keys, indexed together (the groups mix them); the
+  row's query is step 0, so only the causal limit keeps the zeros out."""
+  del dtype
+  bs = _block(policy)
+
+  def fn(q, k, v, mask, bias):
+    del bias
+    b, t, h, d = q.shape
+    n = k.shape[1]
+    kk, vv, length = _rows_first(k, v, mask)
+    extra = _STEPS - 1
+    pos = jnp.arange(n + extra)[None, :, None, None]
+    pad = ((0, 0), (0, extra), (0, 0), (0, 0))
+    kk2 = jnp.where(pos < length[:, None, None, None], jnp.pad(kk, pad), 0)
+    vv2 = jnp.where(pos < length[:, None, None, None], jnp.pad(vv, pad), 0)
+    index = jaxtopk.IndexedKVCache.build(
+      kk2, vv2, lengths=length + extra, group_size=bs
+    )
+    later = jnp.zeros((b * t, extra, h, d), q.dtype)
+    qs = jnp.concatenate([q.reshape(b * t, 1, h, d), later], axis=1)
+    out, cert = jaxtopk.decode_attention(
+      qs, index, policy=policy, key=jax.random.key(0)
+    )
+    out = out[:, 0].reshape(b, t, h, -1)
+    cert = jax.tree.map(lambda x: x[:, 0].reshape(b, t, h), cert)
+    return out, cert
+
+  return fn
+
+
 def _split(x, n_shards, axis):
   """``axis`` split into contiguous shards, stacked first."""
   shape = x.shape
@@ -605,6 +675,26 @@ _WRAPPER_CI = ("fixed_k", "ratio", "cert_exact_cap", "cert_delta")
 VARIANTS = (
   _of_op("xla_prefill", "xla_prefill", _prefill(None)),
   _of_op("xla_decode", "xla_decode", _decode(None)),
+  # Several query steps per call (here and index_steps below): CI runs
+  # their one-key cells and refusals only (the same ops' policies are
+  # crossed by xla_decode and index_decode); HYPOTHESIS_PROFILE=soak
+  # crosses every policy.
+  _of_op(
+    "xla_decode",
+    "decode_steps",
+    _decode_steps,
+    ci_policies=(),
+    low_precision=(),
+    eager=False,
+  ),
+  _of_op(
+    "index_decode",
+    "index_steps",
+    _index_steps,
+    ci_policies=(),
+    low_precision=(),
+    eager=False,
+  ),
   _of_op("pallas_prefill", "pallas_prefill", _prefill("pallas")),
   _of_op("pallas_decode", "pallas_decode", _decode("pallas")),
   _of_op("sharded_prefill", "kv_sharded", _kv_sharded(3)),
