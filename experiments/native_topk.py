@@ -616,8 +616,8 @@ def _define_flags():
   )
   _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
   # Empty: no mesh on one process; all devices on `data` on several.
-  _MESH = parallel.define_mesh_flag()
-  _INIT_DISTRIBUTED = parallel.define_distributed_flags()
+  _MESH = parallel.flags.define_mesh_flag()
+  _INIT_DISTRIBUTED = parallel.flags.define_distributed_flags()
   flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -37,6 +37,8 @@ PACKAGES = (
   "jaxtopk.nn",
   "jaxtopk.models",
   "jaxtopk.parallel",
+  "jaxtopk.parallel.flags",
+  "jaxtopk.parallel.launch",
   "jaxtopk.tasks",
 )
 
@@ -125,6 +127,19 @@ class PublicApiTest(parameterized.TestCase):
     for name in ("TopKDecoder", "load_minilm", "sentence_embedding"):
       self.assertFalse(hasattr(nn, name), f"{name} belongs to models")
       self.assertTrue(hasattr(models, name), name)
+
+  def test_moved_parallel_names_warn_and_resolve(self):
+    parallel = importlib.import_module("jaxtopk.parallel")
+    for name, where in (
+      ("LocalCluster", parallel.launch),
+      ("launch_local", parallel.launch),
+      ("define_mesh_flag", parallel.flags),
+    ):
+      self.assertNotIn(name, parallel.__all__)
+      with self.assertWarnsRegex(DeprecationWarning, f"parallel.{name}"):
+        self.assertIs(getattr(parallel, name), getattr(where, name))
+    with self.assertRaisesRegex(AttributeError, "no_such_name"):
+      parallel.no_such_name  # noqa: B018
 
   def test_merge_attention_exports(self):
     for package in ("jaxtopk", "jaxtopk.attention"):

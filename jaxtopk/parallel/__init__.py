@@ -5,11 +5,18 @@ key-sequence sharding keeps ONE global selection and ONE global, sound
 certificate per row (see ``_kv_sharded.py`` and ``_global_select.py``).
 Multi-host runs (one process per host, each holding only its own shards)
 start with ``maybe_initialize_distributed`` and build global arrays from
-process-local data (``_multihost.py``); ``LocalCluster`` runs such a
-program as several processes on one machine over gloo CPU collectives
-(``_local_cluster.py``).
+process-local data (``_multihost.py``). Tooling lives in submodules:
+``jaxtopk.parallel.launch`` (``LocalCluster`` runs such a program as several
+processes on one machine over gloo CPU collectives) and
+``jaxtopk.parallel.flags`` (absl flags of the mesh and the distributed
+start-up).
 """
 
+import importlib
+import warnings
+
+from jaxtopk.parallel import flags
+from jaxtopk.parallel import launch
 from jaxtopk.parallel._compat import shard_map
 from jaxtopk.parallel._decode import cache_shardings
 from jaxtopk.parallel._decode import decode_shard_attention
@@ -22,24 +29,17 @@ from jaxtopk.parallel._hlo import communication_summary
 from jaxtopk.parallel._kv_sharded import kv_shard_attention
 from jaxtopk.parallel._kv_sharded import make_sharded_attention
 from jaxtopk.parallel._kv_sharded import sharded_topk_attention
-from jaxtopk.parallel._local_cluster import ClusterError
-from jaxtopk.parallel._local_cluster import LocalCluster
-from jaxtopk.parallel._local_cluster import ProcessResult
-from jaxtopk.parallel._local_cluster import free_port
-from jaxtopk.parallel._local_cluster import launch_local
 from jaxtopk.parallel._mesh import AXES
 from jaxtopk.parallel._mesh import DATA
 from jaxtopk.parallel._mesh import HEADS
 from jaxtopk.parallel._mesh import KV
 from jaxtopk.parallel._mesh import attention_specs
 from jaxtopk.parallel._mesh import axis_or_none
-from jaxtopk.parallel._mesh import define_mesh_flag
 from jaxtopk.parallel._mesh import make_mesh
 from jaxtopk.parallel._mesh import mesh_from_flag
 from jaxtopk.parallel._mesh import parse_mesh_flag
 from jaxtopk.parallel._mesh import shard_attention_inputs
 from jaxtopk.parallel._multihost import any_process
-from jaxtopk.parallel._multihost import define_distributed_flags
 from jaxtopk.parallel._multihost import fail_fast
 from jaxtopk.parallel._multihost import fetch
 from jaxtopk.parallel._multihost import global_batch
@@ -62,17 +62,14 @@ __all__ = [
   "AXES",
   "axis_or_none",
   "cache_shardings",
-  "ClusterError",
   "Collective",
   "collectives",
   "communication_summary",
   "DATA",
   "decode_shard_attention",
-  "define_distributed_flags",
-  "define_mesh_flag",
   "fail_fast",
   "fetch",
-  "free_port",
+  "flags",
   "global_batch",
   "global_certified_keep",
   "global_topk_keep",
@@ -80,8 +77,7 @@ __all__ = [
   "is_main_process",
   "KV",
   "kv_shard_attention",
-  "launch_local",
-  "LocalCluster",
+  "launch",
   "make_global_array",
   "make_mesh",
   "make_sharded_attention",
@@ -91,7 +87,6 @@ __all__ = [
   "parse_mesh_flag",
   "partition_spec",
   "process_local_slices",
-  "ProcessResult",
   "put_global",
   "shard_attention_inputs",
   "shard_map",
@@ -99,3 +94,27 @@ __all__ = [
   "sharded_decode_attention",
   "sharded_topk_attention",
 ]
+
+# Names that moved to a submodule in 0.2.0: they work one more release, with
+# a DeprecationWarning.
+_MOVED = {
+  "ClusterError": "launch",
+  "LocalCluster": "launch",
+  "ProcessResult": "launch",
+  "free_port": "launch",
+  "launch_local": "launch",
+  "define_mesh_flag": "flags",
+  "define_distributed_flags": "flags",
+}
+
+
+def __getattr__(name):
+  if name in _MOVED:
+    where = f"jaxtopk.parallel.{_MOVED[name]}"
+    warnings.warn(
+      f"jaxtopk.parallel.{name} is deprecated; use {where}.{name}",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return getattr(importlib.import_module(where), name)
+  raise AttributeError(f"module 'jaxtopk.parallel' has no attribute {name!r}")

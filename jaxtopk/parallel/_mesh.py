@@ -143,7 +143,7 @@ def define_mesh_flag(name: str = "mesh", default: str = "", flag_values=None):
 
   Example (in an experiment binary)::
 
-    _MESH = parallel.define_mesh_flag()
+    _MESH = parallel.flags.define_mesh_flag()
     ...
     mesh = parallel.mesh_from_flag(_MESH.value)
   """

@@ -172,7 +172,7 @@ def define_distributed_flags(flag_values=None) -> Callable[[], bool]:
 
   Example (in an experiment binary)::
 
-    _INIT_DISTRIBUTED = parallel.define_distributed_flags()
+    _INIT_DISTRIBUTED = parallel.flags.define_distributed_flags()
 
     def main(argv):
       _INIT_DISTRIBUTED()

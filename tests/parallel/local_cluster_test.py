@@ -35,7 +35,7 @@ def _alive(pid: int) -> bool:
 
 class FreePortTest(absltest.TestCase):
   def test_port_can_be_bound(self):
-    port = parallel.free_port()
+    port = parallel.launch.free_port()
     self.assertBetween(port, 1, 65535)
     with socket.socket() as s:
       s.bind(("127.0.0.1", port))
@@ -49,7 +49,7 @@ class LocalClusterTest(absltest.TestCase):
       " 'JAXTOPK_PROCESS_ID', 'JAXTOPK_CPU_COLLECTIVES',"
       " 'JAX_NUM_CPU_DEVICES', 'JAX_PLATFORMS', 'EXTRA', 'HOME')}))"
     )
-    results = parallel.launch_local(
+    results = parallel.launch.launch_local(
       _py(code),
       num_processes=3,
       devices_per_process=2,
@@ -73,9 +73,11 @@ class LocalClusterTest(absltest.TestCase):
 
   def test_one_process_is_a_plain_run(self):
     code = "import os; print(os.environ.get('JAXTOPK_PROCESS_ID'))"
-    (result,) = parallel.launch_local(_py(code), num_processes=1, timeout_s=60)
+    (result,) = parallel.launch.launch_local(
+      _py(code), num_processes=1, timeout_s=60
+    )
     self.assertEqual(result.output.strip(), "None")
-    (result,) = parallel.launch_local(
+    (result,) = parallel.launch.launch_local(
       _py(code), num_processes=1, timeout_s=60, distributed=True
     )
     self.assertEqual(result.output.strip(), "0")
@@ -87,9 +89,11 @@ class LocalClusterTest(absltest.TestCase):
       "  print('step 3: something broke', flush=True); sys.exit(3)\n"
       "print('waiting for peer', flush=True); time.sleep(120)\n"
     )
-    cluster = parallel.LocalCluster(_py(code), num_processes=2, timeout_s=100)
+    cluster = parallel.launch.LocalCluster(
+      _py(code), num_processes=2, timeout_s=100
+    )
     t0 = time.monotonic()
-    with cluster, self.assertRaises(parallel.ClusterError) as ctx:
+    with cluster, self.assertRaises(parallel.launch.ClusterError) as ctx:
       cluster.wait()
     self.assertLess(time.monotonic() - t0, 30)
     msg = str(ctx.exception)
@@ -100,9 +104,11 @@ class LocalClusterTest(absltest.TestCase):
 
   def test_deadline_kills_hung_processes(self):
     code = "import time; print('hung here', flush=True); time.sleep(120)"
-    cluster = parallel.LocalCluster(_py(code), num_processes=2, timeout_s=2)
+    cluster = parallel.launch.LocalCluster(
+      _py(code), num_processes=2, timeout_s=2
+    )
     t0 = time.monotonic()
-    with cluster, self.assertRaises(parallel.ClusterError) as ctx:
+    with cluster, self.assertRaises(parallel.launch.ClusterError) as ctx:
       cluster.wait()
     self.assertLess(time.monotonic() - t0, 30)
     msg = str(ctx.exception)
@@ -118,7 +124,7 @@ class LocalClusterTest(absltest.TestCase):
       " 'import time; time.sleep(120)'])\n"
       "print('grandchild', p.pid, flush=True); time.sleep(120)\n"
     )
-    with parallel.LocalCluster(
+    with parallel.launch.LocalCluster(
       _py(code), num_processes=2, timeout_s=100
     ) as cluster:
       cluster.wait_until(
@@ -137,14 +143,15 @@ class LocalClusterTest(absltest.TestCase):
     launcher = (
       "import sys\n"
       "from jaxtopk import parallel\n"
-      "c = parallel.LocalCluster([sys.executable, '-c', 'import os, time;"
+      "c = parallel.launch.LocalCluster([sys.executable, '-c',"
+      " 'import os, time;"
       " print(os.getpid(), flush=True); time.sleep(120)'],"
       " num_processes=2, timeout_s=100).start()\n"
       "c.wait_until(lambda: all(c.output(i) for i in range(2)), what='pids')\n"
       "print(*(c.output(i).strip() for i in range(2)), flush=True)\n"
       "import time; time.sleep(120)\n"
     )
-    with parallel.LocalCluster(
+    with parallel.launch.LocalCluster(
       _py(launcher),
       num_processes=1,
       timeout_s=100,
@@ -167,7 +174,7 @@ class LocalClusterTest(absltest.TestCase):
       "print('ready', flush=True)\n"
       "if os.environ['JAXTOPK_PROCESS_ID'] == '0': time.sleep(120)\n"
     )
-    with parallel.LocalCluster(
+    with parallel.launch.LocalCluster(
       _py(code), num_processes=2, timeout_s=100
     ) as cluster:
       cluster.wait_until(lambda: "ready" in cluster.output(0), what="ready")
@@ -176,17 +183,17 @@ class LocalClusterTest(absltest.TestCase):
     self.assertEqual([r.returncode for r in results], [-signal.SIGKILL, 0])
 
   def test_wait_until_reports_processes_that_ended_first(self):
-    with parallel.LocalCluster(
+    with parallel.launch.LocalCluster(
       _py("print('bye')"), num_processes=2, timeout_s=60
     ) as cluster:
       with self.assertRaisesRegex(
-        parallel.ClusterError, "every process ended before the marker"
+        parallel.launch.ClusterError, "every process ended before the marker"
       ):
         cluster.wait_until(lambda: False, what="the marker")
 
   def test_logs_are_kept_in_a_given_dir(self):
     with tempfile.TemporaryDirectory() as d:
-      parallel.launch_local(
+      parallel.launch.launch_local(
         _py("print('hello')"), num_processes=2, timeout_s=60, log_dir=d
       )
       for i in range(2):
@@ -201,13 +208,13 @@ class LocalClusterTest(absltest.TestCase):
       (dict(num_processes=2, cpu_collectives="nccl"), "cpu_collectives='nccl'"),
     ):
       with self.assertRaisesRegex(ValueError, regex):
-        parallel.LocalCluster(_py("pass"), **kwargs)
+        parallel.launch.LocalCluster(_py("pass"), **kwargs)
 
   def test_parent_jaxtopk_variables_are_not_inherited(self):
     code = "import os; print(os.environ.get('JAXTOPK_DISTRIBUTED'))"
     os.environ["JAXTOPK_DISTRIBUTED"] = "1"
     try:
-      (result,) = parallel.launch_local(_py(code), num_processes=1)
+      (result,) = parallel.launch.launch_local(_py(code), num_processes=1)
     finally:
       del os.environ["JAXTOPK_DISTRIBUTED"]
     self.assertEqual(result.output.strip(), "None")

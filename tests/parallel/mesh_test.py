@@ -59,7 +59,7 @@ class MakeMeshTest(parameterized.TestCase):
 class MeshFlagTest(absltest.TestCase):
   def test_flag_feeds_mesh_from_flag(self):
     fv = flags.FlagValues()
-    holder = parallel.define_mesh_flag(flag_values=fv)
+    holder = parallel.flags.define_mesh_flag(flag_values=fv)
     fv(["prog", "--mesh=data=1,kv=-1"])
     self.assertEqual(holder.value, "data=1,kv=-1")
     mesh = parallel.mesh_from_flag(holder.value, devices=jax.devices()[:1])

@@ -119,8 +119,8 @@ class InitializeTest(absltest.TestCase):
 
   def test_flags_feed_initialize(self):
     fv = flags.FlagValues()
-    init = parallel.define_distributed_flags(flag_values=fv)
-    again = parallel.define_distributed_flags(flag_values=fv)  # reused
+    init = parallel.flags.define_distributed_flags(flag_values=fv)
+    again = parallel.flags.define_distributed_flags(flag_values=fv)  # reused
     fv(["prog", "--coordinator_address=h:9", "--num_processes=2"])
     fv["process_id"].value = 1
     self.assertTrue(again())

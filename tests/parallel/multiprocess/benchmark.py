@@ -90,7 +90,7 @@ def main(argv):
         f"--repeats={_REPEATS.value}",
       ]
       load0, t0 = _load(), time.time()
-      parallel.launch_local(
+      parallel.launch.launch_local(
         argv,
         num_processes=procs,
         devices_per_process=devices,

@@ -1,7 +1,7 @@
 """Which collectives work over gloo CPU collectives, per dtype.
 
 A diagnostic, not a test: it starts itself as 2 processes x 2 CPU devices
-(``jaxtopk.parallel.launch_local``), runs each collective under
+(``jaxtopk.parallel.launch.launch_local``), runs each collective under
 ``shard_map`` over the 4-device mesh, compares with numpy, and prints one
 line per (collective, dtype): OK, WRONG (with the values) or FAIL (with the
 error). Measured with jax 0.10.2: every line OK except ``psum_scatter`` of
@@ -102,7 +102,7 @@ def child():
 def main():
   from jaxtopk import parallel
 
-  results = parallel.launch_local(
+  results = parallel.launch.launch_local(
     [sys.executable, "-m", "tests.parallel.multiprocess.gloo_collectives"]
     + ["--child"],
     num_processes=2,

@@ -1,7 +1,7 @@
 """Real multi-process runs: 2 x 4 and 4 x 2 CPU devices as one 8-device mesh.
 
 ``worker.py`` runs as several processes on 127.0.0.1
-(``jaxtopk.parallel.LocalCluster``: gloo CPU collectives, a free
+(``jaxtopk.parallel.launch.LocalCluster``: gloo CPU collectives, a free
 coordinator port, a deadline, process groups), each calling the library's
 multi-host start-up and loading only its own block of every array. Four
 runs, one after the other (gloo processes are CPU hungry; the machine has 2
@@ -62,7 +62,7 @@ _INT_FIELDS = ("k_kept", "keys_scored", "valid", "length")
 
 
 def _launch(out, num_processes, devices, *flags, distributed=None):
-  return parallel.LocalCluster(
+  return parallel.launch.LocalCluster(
     [sys.executable, "-m", "tests.parallel.multiprocess.worker"]
     + [f"--out={out}", *flags],
     num_processes=num_processes,
@@ -149,7 +149,7 @@ class MultiProcessTest(absltest.TestCase):
     out = pathlib.Path(tmp, "crash")
     t0 = time.monotonic()
     with _launch(out, 2, 4, "--prefill", "--crash_process=1") as cluster:
-      with self.assertRaises(parallel.ClusterError) as ctx:
+      with self.assertRaises(parallel.launch.ClusterError) as ctx:
         cluster.wait()
     self.assertLess(time.monotonic() - t0, _TIMEOUT_S / 2)  # not the deadline
     msg = str(ctx.exception)

@@ -1,6 +1,6 @@
 """One process of a multi-process jaxtopk run.
 
-Started N times by ``jaxtopk.parallel.LocalCluster`` (see
+Started N times by ``jaxtopk.parallel.launch.LocalCluster`` (see
 ``multiprocess_test.py``), or once for the single-process reference. Each
 process calls the library's multi-host start-up
 (``parallel.maybe_initialize_distributed``, configured by the cluster's
