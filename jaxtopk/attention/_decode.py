@@ -203,6 +203,8 @@ def _logit_error(q_in, q, cache, scale):
     abs_dot=abs_dot,
     q_flushed=core.flushed(q_in),
     k_flushed=cache.kflushed[..., None],
+    q_absmax=jnp.max(jnp.abs(q), -1),
+    k_absmax=jnp.max(cache.kabs, -1)[..., None],
   )
 
 

@@ -117,6 +117,8 @@ def row_errors(q, q_flushed, index, scale) -> tuple[jax.Array, jax.Array]:
     abs_dot=a,
     q_flushed=q_flushed,
     k_flushed=index.key_flushed[:, :, None],
+    q_absmax=jnp.max(jnp.abs(q), -1),
+    k_absmax=jnp.max(index.key_absmax, -1)[:, :, None].astype(dt),
   )
   a = jnp.minimum(a, qn * kn * (1 + 2 * jnp.finfo(dt).eps))
   abs_s = scale * a * (1 + 4 * jnp.finfo(dt).eps) + delta
@@ -160,6 +162,7 @@ def group_upper_bounds(q, index: IndexedKVCache, scale, q_flushed=True):
     scale=scale,
     q_flushed=jnp.asarray(q_flushed)[..., None],
     k_flushed=True,
+    q_absmax=jnp.max(jnp.abs(q), -1)[..., None],
   )
   t2 = core.mul_up(scale, qn, index.radius[:, :, None].astype(dt))
   u = t1 + delta_c + t2

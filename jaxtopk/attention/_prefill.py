@@ -397,6 +397,7 @@ def _row_logit_error(p, arr, q_t, qn_t, qfl_t, vis_blk, bias_abs, scale):
     jax.lax.stop_gradient(q_t), arr["blk_kabs"][:, :, None, :nbl]
   )  # [b, hk, g, bq, nbl]
   abs_dot = core.max_nan(jnp.where(vis_blk, a, 0.0), -1)
+  kam = jnp.max(arr["blk_kabs"][:, :, :nbl], -1)[:, :, None, None, :]
   return core.logit_error_bound(
     q_norm=qn_t,
     k_norm=k_norm,
@@ -406,6 +407,8 @@ def _row_logit_error(p, arr, q_t, qn_t, qfl_t, vis_blk, bias_abs, scale):
     q_flushed=qfl_t,
     k_flushed=k_fl,
     bias_abs=bias_abs,
+    q_absmax=jnp.max(jnp.abs(jax.lax.stop_gradient(q_t)), -1),
+    k_absmax=core.max_nan(jnp.where(vis_blk, kam, 0.0), -1),
   )
 
 

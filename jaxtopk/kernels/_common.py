@@ -220,6 +220,8 @@ def logit_error(query, summary: KeySummary, *, scale, where=None):
     abs_dot=abs_dot,
     q_flushed=core.flushed(q)[..., None],
     k_flushed=rep(summary.flushed)[:, :, None, :],
+    q_absmax=jnp.max(jnp.abs(q), -1)[..., None],
+    k_absmax=jnp.max(rep(summary.absmax), -1)[:, :, None, :],
   )  # [b, h, q, nb]
   use = rep(summary.count)[:, :, None, :] > 0
   if where is not None:

@@ -129,6 +129,8 @@ def _logit_error(q, k, used, bias, real, *, scale, axis_name):
     abs_dot=abs_dot,
     q_flushed=core.flushed(q),
     k_flushed=(k_fl > 0)[..., None],
+    q_absmax=jnp.max(jnp.abs(q.astype(dt)), -1),
+    k_absmax=jnp.max(kabs, -1)[..., None],
     bias_abs=stats[3] if bias is not None else None,
   )
 

@@ -249,6 +249,8 @@ def logit_error_bound(
   q_flushed=False,
   k_flushed=False,
   bias_abs=None,
+  q_absmax=None,
+  k_absmax=None,
 ) -> jax.Array:
   """Bound delta on |computed logit - exact logit| for every key of a row.
 
@@ -285,6 +287,11 @@ def logit_error_bound(
     k_flushed: ``[...]`` bool, some covered key has subnormal components.
     bias_abs: optional ``[...]`` max |bias| over the row's keys whose bias
       is finite (a -inf bias is a key of zero mass, not an error).
+    q_absmax, k_absmax: optional ``[...]`` max_c |q_c| and max_{i,c}
+      |k_ic| (of the keys covered). Where a norm is +inf from finite
+      components (||q|| past the largest float: q = [3e38, 3e38]), F's term
+      sqrt(d) tiny ||x|| is formed as d tiny max_c |x_c| (>= it, finite)
+      instead of +inf, so such a row keeps a certificate.
 
   Returns:
     ``[...]`` delta >= 0 in the compute dtype (+inf when trivial).
@@ -308,10 +315,21 @@ def logit_error_bound(
   a = q_norm * k_norm * (1 + 2 * eps)  # Cauchy-Schwarz, rounded up
   if abs_dot is not None:
     a = jnp.minimum(a, jnp.asarray(abs_dot, dt))
-  flush = jnp.where(q_flushed, k_norm, 0.0) + jnp.where(k_flushed, q_norm, 0.0)
   # Through a barrier: XLA reassociates constant factors, and scale *
   # sqrt(d) tiny folded at compile time underflows to 0 (scale 1e-20).
-  flush = flush * _opaque(jnp.sqrt(jnp.asarray(d, dt)) * tiny)
+  c = _opaque(jnp.sqrt(jnp.asarray(d, dt)) * tiny)
+
+  def lost(norm, absmax):  # sqrt(d) tiny ||x||, the terms a flush drops
+    t = norm * c
+    if absmax is None:
+      return t
+    # ||x|| <= sqrt(d) max|x_c|: d tiny max|x_c| >= t, and >= 1 (no
+    # underflow) wherever the norm overflowed.
+    alt = (jnp.asarray(absmax, dt) * tiny) * float(d)
+    return jnp.where(jnp.isinf(norm), alt, t)
+
+  flush = jnp.where(q_flushed, lost(k_norm, k_absmax), 0.0)
+  flush = flush + jnp.where(k_flushed, lost(q_norm, q_absmax), 0.0)
   # Plain products are sound here (``mul_up`` is not needed): a product
   # that flushes is below tiny (x the factor left, which is a scale), and
   # the (2 d + 16) tiny max(1, scale) term covers it; one that overflows
@@ -358,6 +376,8 @@ def logit_error_of(q, k, real, *, scale) -> jax.Array:
     abs_dot=abs_dot,
     q_flushed=flushed(q),
     k_flushed=jnp.any(real & flushed(k), -1),
+    q_absmax=jnp.max(jnp.abs(q), -1),
+    k_absmax=jnp.max(k_absmax, -1),
   )
 
 

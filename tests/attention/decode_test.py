@@ -199,6 +199,32 @@ class DecodeTest(parameterized.TestCase):
       np.testing.assert_array_equal(cert.valid[:, 0, 0], [True, False])
       np.testing.assert_array_equal(out[1], 0.0)
 
+  def test_query_norm_past_the_largest_float_keeps_its_certificate(self):
+    # ||q|| = 4.2e38 overflows float32 while every logit is O(1): the large
+    # query components meet subnormal key components (read as 0 by the
+    # CPU). The row keeps a useful certificate, and a sound one.
+    rng = np.random.default_rng(0)
+    n = 8
+    k = rng.normal(size=(1, n, 1, 4)).astype(np.float32)
+    k[..., 0] = (np.arange(n) % 3 * 1e-39).reshape(1, n, 1)
+    k[..., 1] = -3e-39
+    v = rng.normal(size=(1, n, 1, 3)).astype(np.float32)
+    q = np.array([3e38, 3e38, 1.0, 0.5], np.float32).reshape(1, 1, 1, 4)
+    cache = jaxtopk.KVCache.create(1, n, 1, 4, block_size=4, value_dim=3)
+    cache = cache.append(jnp.asarray(k), jnp.asarray(v))
+    out, cert = jaxtopk.decode_attention(
+      jnp.asarray(q), cache, policy=jaxtopk.Certified(0.1, "delta", 4)
+    )
+    self.assertTrue(bool(cert.valid[0, 0, 0]))
+    # Every key kept: the certificate says so (it was tv 1, error +inf).
+    self.assertEqual(float(cert.tv_bound[0, 0, 0]), 0.0)
+    self.assertTrue(np.isfinite(float(cert.output_error_bound[0, 0, 0])))
+    s = k[0, :, 0].astype(np.float64) @ q[0, 0, 0].astype(np.float64) / 2
+    p = np.exp(s - s.max())
+    exact = p @ v[0, :, 0].astype(np.float64) / p.sum()
+    err = np.linalg.norm(np.asarray(out[0, 0, 0], np.float64) - exact)
+    self.assertLessEqual(err, float(cert.output_error_bound[0, 0, 0]) + 1e-5)
+
   @parameterized.named_parameters(
     ("query", dict(q_shape=(B, 0, H, D)), ValueError, "q_len"),
     ("heads", dict(q_shape=(B, 1, 5, D)), ValueError, "multiple"),

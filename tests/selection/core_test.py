@@ -198,6 +198,8 @@ def _logits_and_bound_jit(q, k, scale, bias, form):
     q_flushed=core.flushed(q),
     k_flushed=jnp.any(core.flushed(k)),
     bias_abs=bias_abs,
+    q_absmax=jnp.max(jnp.abs(q.astype(dt))),
+    k_absmax=jnp.max(k_absmax.astype(dt)),
   )
   return s, delta
 
@@ -274,6 +276,22 @@ class LogitErrorTest(parameterized.TestCase):
     k = np.array([[-2.0, 1.0, 1.0]], np.float32)  # exact logit 0
     _, delta = _logits_and_bound(q, k, 1.0)
     self.assertEqual(float(delta), np.inf)
+
+  def test_query_norm_past_the_largest_float_over_subnormal_keys(self):
+    # ||q|| = 4.2e38 overflows; the logits do not (the large components
+    # meet subnormal or tiny key components), and the keys' flushed
+    # components still cost at most d tiny max|q_c| (~14 here): a finite
+    # bound, not +inf.
+    q = np.array([3e38, 3e38, 1.0, 0.0], np.float32)
+    k = np.array(
+      [[1e-39, -3e-39, 2.0, 1.0], [1e-30, 0.0, -1.0, 5.0]], np.float32
+    )
+    s, delta = _logits_and_bound(q, k, 1.0)
+    d = LD(np.asarray(delta))
+    self.assertTrue(np.isfinite(d), d)
+    err = np.max(np.abs(np.asarray(s, LD) - _ld(k) @ _ld(q)))
+    self.assertGreater(float(err), 0.1)  # the CPU dropped the flushed terms
+    self.assertGreaterEqual(d, err)
 
   def test_abs_dot_only(self):
     d = core.logit_error_bound(abs_dot=jnp.float32(2.0), head_dim=4, scale=1)
