@@ -156,6 +156,38 @@ def _block(policy) -> int:
   return policy.block_size if isinstance(policy, Certified) else pol.BLOCK
 
 
+def _rows_cache(k, v, mask, bs, extra=0):
+  """A KVCache (block size ``bs``) holding each row's keys, then ``extra``
+  zero steps appended behind them."""
+  kk, vv, length = _rows_first(k, v, mask)
+  bt, n, hk, d = kk.shape
+  e = vv.shape[-1]
+  cache = jaxtopk.KVCache.create(
+    bt, -(-(n + extra) // bs) * bs, hk, d, block_size=bs, dtype=k.dtype,
+    value_dim=e,
+  )  # fmt: skip
+  cache = cache.append(kk, vv, num_steps=length)
+  if extra:
+    cache = cache.append(
+      jnp.zeros((bt, extra, hk, d), k.dtype),
+      jnp.zeros((bt, extra, hk, e), v.dtype),
+    )
+  return cache
+
+
+def _step0_decode(q, cache, policy):
+  """``decode_attention`` of ``_STEPS`` query steps over ``cache``: each
+  row's query is step 0, the later steps zeros; step 0's result."""
+  b, t, h, d = q.shape
+  later = jnp.zeros((b * t, _STEPS - 1, h, d), q.dtype)
+  qs = jnp.concatenate([q.reshape(b * t, 1, h, d), later], axis=1)
+  out, cert = jaxtopk.decode_attention(
+    qs, cache, policy=policy, key=jax.random.key(0)
+  )
+  out = out[:, 0].reshape(b, t, h, -1)
+  return out, jax.tree.map(lambda x: x[:, 0].reshape(b, t, h), cert)
+
+
 def _decode(implementation):
   def build(policy, dtype):
     bs = _block(policy)
@@ -163,13 +195,8 @@ def _decode(implementation):
     def fn(q, k, v, mask, bias):
       del bias
       b, t, h, d = q.shape
-      n, hk, e = k.shape[1], k.shape[2], v.shape[3]
-      kk, vv, length = _rows_first(k, v, mask)
-      max_len = -(-n // bs) * bs
-      cache = jaxtopk.KVCache.create(
-        b * t, max_len, hk, d, block_size=bs, dtype=k.dtype, value_dim=e
-      )
-      cache = cache.append(kk, vv, num_steps=length)
+      e = v.shape[3]
+      cache = _rows_cache(k, v, mask, bs)
       out, cert = jaxtopk.decode_attention(
         q.reshape(b * t, 1, h, d),
         cache,
@@ -196,27 +223,7 @@ def _decode_steps(policy, dtype):
 
   def fn(q, k, v, mask, bias):
     del bias
-    b, t, h, d = q.shape
-    n, hk, e = k.shape[1], k.shape[2], v.shape[3]
-    kk, vv, length = _rows_first(k, v, mask)
-    extra = _STEPS - 1
-    max_len = -(-(n + extra) // bs) * bs
-    cache = jaxtopk.KVCache.create(
-      b * t, max_len, hk, d, block_size=bs, dtype=k.dtype, value_dim=e
-    )
-    cache = cache.append(kk, vv, num_steps=length)
-    cache = cache.append(
-      jnp.zeros((b * t, extra, hk, d), k.dtype),
-      jnp.zeros((b * t, extra, hk, e), v.dtype),
-    )
-    later = jnp.zeros((b * t, extra, h, d), q.dtype)
-    qs = jnp.concatenate([q.reshape(b * t, 1, h, d), later], axis=1)
-    out, cert = jaxtopk.decode_attention(
-      qs, cache, policy=policy, key=jax.random.key(0)
-    )
-    out = out[:, 0].reshape(b, t, h, e)
-    cert = jax.tree.map(lambda x: x[:, 0].reshape(b, t, h), cert)
-    return out, cert
+    return _step0_decode(q, _rows_cache(k, v, mask, bs, _STEPS - 1), policy)
 
   return fn
 
@@ -244,14 +251,7 @@ def _index_steps(policy, dtype):
     index = jaxtopk.IndexedKVCache.build(
       kk2, vv2, lengths=length + extra, group_size=bs
     )
-    later = jnp.zeros((b * t, extra, h, d), q.dtype)
-    qs = jnp.concatenate([q.reshape(b * t, 1, h, d), later], axis=1)
-    out, cert = jaxtopk.decode_attention(
-      qs, index, policy=policy, key=jax.random.key(0)
-    )
-    out = out[:, 0].reshape(b, t, h, -1)
-    cert = jax.tree.map(lambda x: x[:, 0].reshape(b, t, h), cert)
-    return out, cert
+    return _step0_decode(q, index, policy)
 
   return fn
 
