@@ -54,12 +54,8 @@ from jaxtopk.attention import checks
 from jaxtopk.attention import registry
 from jaxtopk.attention._cache import KVCache
 from jaxtopk.selection import FEATURES
-from jaxtopk.selection import Auto
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Certified
-from jaxtopk.selection import Codes
-from jaxtopk.selection import DeltaSearch
-from jaxtopk.selection import Dense
 from jaxtopk.selection import FixedCount
 from jaxtopk.selection import Policy
 from jaxtopk.selection import box_upper_bound_dot
@@ -528,7 +524,7 @@ def _topk_of(st: _Step, topk, capacity):
 
 def _fixed_count(policy: FixedCount, st: _Step):
   n = st.s.shape[-1]
-  if isinstance(policy, Dense):
+  if policy.kind == "dense":
     return _finish(st, _full_row(st, st.real, n))
   topk = policy.row_num_kept(st.n_valid, n)  # [b, hk, g]
   return _topk_of(st, topk, policy.num_kept(n))
@@ -702,12 +698,10 @@ def _by_codes(policy: Certified, cache: KVCache) -> bool:
   """Whether the key-code path runs (statically): ``bound='codes'``, or
   ``Auto`` over a cache of at least ``AUTO_MIN_KEYS`` positions on a
   platform of ``AUTO_CODES_PLATFORMS``."""
-  if isinstance(policy.search, Auto):
+  if policy.search.name == "auto":
     on = jax.default_backend() in AUTO_CODES_PLATFORMS
     return on and cache.max_len >= AUTO_MIN_KEYS
-  return isinstance(policy.search, DeltaSearch) and isinstance(
-    policy.search.bound, Codes
-  )
+  return policy.bound is not None and policy.bound.name == "codes"
 
 
 def _rows(cache: KVCache) -> KVCache:
@@ -938,7 +932,7 @@ def _codes_rows(
   hk = cache.keys.shape[1]
   g = h // hk
   codes = functools.partial(_certified_codes, q_len=q_len, residual=residual)
-  if not isinstance(policy.search, Auto):
+  if policy.search.name != "auto":
     return codes(policy, query, cache, scale, jnp.int32(0))
   use, extra = _sample_says_codes(policy, query, cache, scale)  # [b, hk]
   extra_g = jnp.broadcast_to(extra[..., None], (b, hk, g))
@@ -988,11 +982,12 @@ def _xla_decode(query, cache, rng, scale, *, policy, static_scale, residual):
   if q_len > 1:  # the steps folded into the groups, one pass over the keys
     query = _fold(query, hk)
   kw = dict(q_len=q_len, residual=residual)
-  if isinstance(policy, Certified) and _by_codes(policy, cache):
+  certified = policy.kind == "certified"
+  if certified and _by_codes(policy, cache):
     out, cert, lse = _codes_rows(policy, query, cache, scale, **kw)
-  elif isinstance(policy, Certified):
+  elif certified:
     st = _step(query, cache, scale, **kw)
-    if policy.search.scores_all:
+    if policy.scores_all:
       out, cert, lse = _certified_exact(policy, st)
     else:
       out, cert, lse = _certified_search(policy, st, rng)
@@ -1123,8 +1118,7 @@ def decode_attention(
     NotImplementedError: for an unregistered 'pallas' implementation.
   """
   query = checks.check_array(query, "query")
-  if not isinstance(policy, Policy):
-    raise TypeError(f"{policy=} must be a jaxtopk selection policy")
+  checks.check_policy(policy)
   if not isinstance(return_residual, bool):
     raise TypeError(f"{return_residual=} must be a bool")
 

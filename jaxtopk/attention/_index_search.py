@@ -821,8 +821,7 @@ def index_decode_attention(
     TypeError: if ``policy`` is not a selection policy, a query that is not
       real floating, a scale that is not a real number.
   """
-  if not isinstance(policy, selection.Policy):
-    raise TypeError(f"{policy=} must be a jaxtopk selection policy")
+  checks.check_policy(policy)
   query = _check_query(query, index, steps=True)
   static, dynamic = _split_scale(checks.check_scale(scale, index.head_dim))
   if implementation not in (None, "xla"):
@@ -835,9 +834,9 @@ def index_decode_attention(
   if q_len > 1:  # the steps folded into the groups, one pass per row
     query = _decode._fold(query, index.keys.shape[1])
   kw = dict(q_len=q_len, residual=return_residual)
-  if isinstance(policy, selection.Certified) and _index_by_codes(policy):
+  if _index_by_codes(policy):
     return _codes_decode(query, index, policy, static, dynamic, **kw)
-  if not isinstance(policy, selection.Certified) or not _searching(policy):
+  if not _searching(policy):
     return _full_decode(
       query, index, dynamic, policy=policy, scale=static, **kw
     )
@@ -886,8 +885,8 @@ _GROUPS = selection.capabilities(
 def supports(policy) -> frozenset[str]:
   """The policy features ``decode_attention`` over an index honours for
   ``policy`` (its op's ``supports_fn``)."""
-  if isinstance(policy, selection.Certified) and _index_by_codes(policy):
-    if isinstance(policy.search, selection.Auto):
+  if _index_by_codes(policy):
+    if policy.search.name == "auto":
       return _CODES | {"max_topk"}
     return _CODES
   if _searching(policy):
@@ -897,17 +896,17 @@ def supports(policy) -> frozenset[str]:
 
 def _searching(policy) -> bool:
   """Certified with a group search (delta or mc)."""
-  return isinstance(policy, selection.Certified) and (
-    policy.search.name in ("delta", "mc")
-  )
+  return policy.kind == "certified" and policy.search.name in ("delta", "mc")
 
 
 def _index_by_codes(policy) -> bool:
-  """``bound='codes'``, or the default ``Auto`` (then per call: see
-  ``_codes_decode``)."""
-  search = policy.search
-  return isinstance(search, selection.Auto) or (
-    search.name == "delta" and isinstance(search.bound, selection.Codes)
+  """Certified with ``bound='codes'``, or the default ``Auto`` (then per
+  call: see ``_codes_decode``)."""
+  if policy.kind != "certified":
+    return False
+  bound = policy.bound
+  return policy.search.name == "auto" or (
+    bound is not None and bound.name == "codes"
   )
 
 
@@ -928,7 +927,7 @@ def _codes_decode(
   not cap) takes the exact search. ``q_len`` and ``residual`` as
   ``_search_decode``'s (``query`` folded).
   """
-  auto = isinstance(policy.search, selection.Auto)
+  auto = policy.search.name == "auto"
   full = functools.partial(
     _full_decode,
     query,

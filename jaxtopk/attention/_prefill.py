@@ -139,15 +139,11 @@ _SUMMARY_BLOCK = 64
 
 def kind_of(policy) -> str:
   """'dense', 'count', 'exact' or 'search': which engine and rule run."""
-  if isinstance(policy, selection.Dense):
-    return "dense"
-  if isinstance(policy, selection.FixedCount):
-    return "count"
-  if isinstance(policy, selection.Certified):
-    if isinstance(policy.search, selection.Auto):
-      return "search"  # the tile search; it scores every block where needed
-    return "exact" if policy.search.scores_all else "search"
-  raise TypeError(f"{policy=} is not a selection policy")
+  if policy.kind != "certified":
+    return policy.kind
+  if policy.search.name == "auto":
+    return "search"  # the tile search; it scores every block where needed
+  return "exact" if policy.scores_all else "search"
 
 
 # ---------------------------------------------------------------------------
@@ -195,42 +191,6 @@ def _round_up(x):
   dt = x.dtype
   up = x + jnp.abs(x) * 2 * jnp.finfo(dt).eps + jnp.finfo(dt).tiny
   return jnp.where(x == -jnp.inf, x, up)
-
-
-def _keep_rule(s, pos, policy, *, delta, n_keys, log_extra=None):
-  """The policy's kept set among the scored keys of each row.
-
-  The rule of ``jaxtopk.select`` (``select_rows``) on these logits; for
-  ``Certified`` with ``log_extra`` (the unscored blocks' mass bound U) the
-  budget is eps (Z_S + U) and U counts as dropped (THEORY 6.2).
-
-  Args:
-    s: ``[..., n]`` stop-gradient logits (compute dtype).
-    pos: ``[..., n]`` bool scored real keys of positive mass (finite logit).
-    policy: the policy.
-    delta: ``[...]`` logit rounding bound of each row.
-    n_keys: static key count of the whole row (for counts and margins).
-    log_extra: optional ``[...]`` log U.
-
-  Returns:
-    ``[..., n]`` bool kept set, a subset of ``pos``.
-  """
-  if isinstance(policy, selection.Dense):
-    return pos
-  if isinstance(policy, selection.FixedCount):
-    n_real = jnp.sum(pos, axis=-1, dtype=jnp.int32)
-    return selection.topk_mask(s, policy.row_num_kept(n_real, n_keys), pos)
-  dt = s.dtype
-  margin = core.search_log_margin(n_keys, delta, dt)
-  # A budget relative to the row's mass (Z_S + U): the threshold's first
-  # histogram pass gives Z_S, no separate log-sum-exp pass.
-  log_frac = jnp.log(jnp.asarray(policy.eps, dt)) - margin
-  keep = selection.budget_mask(s, log_frac, pos, log_extra, relative=True)
-  if policy.max_topk is not None and policy.max_topk < s.shape[-1]:
-    capped = selection.topk_mask(s, policy.max_topk, pos)
-    over = jnp.sum(keep, -1) > policy.max_topk
-    keep = jnp.where(over[..., None], capped, keep)
-  return keep & pos
 
 
 # ---------------------------------------------------------------------------
@@ -482,7 +442,7 @@ def _scan_all_tile(c, length, i):
   )  # [b, hk, g, bq]
   sgs = jax.lax.stop_gradient(s)
   pos = real & (sgs > -jnp.inf)
-  keep = _keep_rule(sgs, pos, c.policy, delta=delta, n_keys=p.s)
+  keep = selection.keep_mask(sgs, c.policy, pos, logit_error=delta, n_keys=p.s)
   vn = arr["vn"][:, :, None, None, :length] if c.values_bound else None
   part = core.Partial.from_logits(
     s,
@@ -598,8 +558,13 @@ def _search_tile(c, i):
     r = idx.shape[-1]
     sgs = sg(s)
     pos = real & (sgs > -jnp.inf)
-    keep = _keep_rule(
-      sgs, pos, policy, delta=delta, n_keys=n_terms, log_extra=log_un
+    keep = selection.keep_mask(
+      sgs,
+      policy,
+      pos,
+      logit_error=delta,
+      n_keys=n_terms,
+      log_extra=log_un,
     )
     vg = jnp.take_along_axis(vb, idx[..., None, None], axis=2)
     vn = norms = None

@@ -286,11 +286,7 @@ XLA_PREFILL = registry.register(
 
 def _checked(query, key, value, policy, mask, bias, is_causal, scale):
   """Every argument checked (``attention.checks``), same under jit."""
-  if not isinstance(policy, Policy):
-    raise TypeError(
-      f"{policy=} is not a selection policy; expected Dense, FixedK, Ratio,"
-      " PowerLaw or Certified"
-    )
+  checks.check_policy(policy)
   query, key, value, dims = checks.check_qkv(query, key, value)
   mask = checks.check_mask(mask, dims.logits_shape)
   bias = checks.check_bias(bias, dims.logits_shape)

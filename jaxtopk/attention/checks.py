@@ -39,7 +39,8 @@ Names:
 - ``check_window(local_window_size)``: None or ``(left, right)`` ints.
 - ``check_scale(scale, head_dim)``: default, static float or dynamic array.
 - ``scale_ok(scale)``: bool, for the validity rule of a dynamic scale.
-- ``check_policy(policy, backend, supports)``: a Policy the backend honours.
+- ``check_policy(policy, backend, supports)``: a Policy the backend honours
+  (``selection.check_policy``).
 - ``check_rng(policy, key)``: a PRNG key where the search needs one.
 - ``check_decode_call(query, cache, policy, scale, key)``: a decode call
   over a KVCache (query shape, scale, PRNG key), for its ops.
@@ -48,14 +49,13 @@ Names:
 
 import dataclasses
 import math
-from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxtopk.selection import Certificate
-from jaxtopk.selection import Policy
+from jaxtopk.selection import check_policy as check_policy
 from jaxtopk.selection import core
 
 
@@ -388,27 +388,6 @@ def scale_ok(scale) -> jax.Array | bool:
   """``core.scale_ok``: True for a (checked) float; for an array, whether it
   is finite and >= ``core.MIN_SCALE``."""
   return core.scale_ok(scale)
-
-
-def check_policy(policy, backend: str, supports: Iterable[str]) -> None:
-  """Raises TypeError for a non-policy, else ``policy.require``.
-
-  Args:
-    policy: the user's policy.
-    backend: the path's name in messages, e.g.
-      "topk_attention(implementation='pallas')".
-    supports: the path's features (``selection.capabilities``).
-
-  Raises:
-    TypeError: ``policy`` is not a selection policy.
-    UnsupportedPolicyError: a field the path cannot honour (named).
-  """
-  if not isinstance(policy, Policy):
-    raise TypeError(
-      f"{policy=} is not a selection policy; expected Dense, FixedK, Ratio,"
-      " PowerLaw or Certified"
-    )
-  policy.require(backend, supports)
 
 
 def check_decode_call(query, cache, policy, scale, key):

@@ -40,7 +40,6 @@ from jaxtopk.attention import registry
 from jaxtopk.kernels import _decode
 from jaxtopk.kernels import _prefill
 from jaxtopk.kernels import _sparse_flash
-from jaxtopk.selection import Certified
 from jaxtopk.selection import UnsupportedPolicyError
 from jaxtopk.selection import capabilities
 
@@ -136,7 +135,7 @@ def pallas_topk_attention(
   PREFILL_OP.require(
     policy, given=given, mask_shape=None if mask is None else mask.shape
   )
-  certified = isinstance(policy, Certified)
+  certified = policy.kind == "certified"
   block_k = policy.block_size if certified else _DENSE_BLOCK
   max_blocks = _max_blocks(policy, block_k, PREFILL)
   b, t, _, _ = query.shape
@@ -182,7 +181,7 @@ def pallas_decode_attention(query, cache, rng, *, policy, scale):
   query = checks.check_array(query, "query")
   checks.check_policy(policy, DECODE, DECODE_SUPPORTS)
   bs = cache.block_size
-  certified = isinstance(policy, Certified)
+  certified = policy.kind == "certified"
   if certified and policy.block_size != bs:
     raise UnsupportedPolicyError(
       f"Certified.block_size={policy.block_size} is not supported by {DECODE}"

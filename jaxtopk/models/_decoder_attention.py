@@ -26,9 +26,9 @@ from jaxtyping import Array
 from jaxtopk.attention import KVCache
 from jaxtopk.attention import decode_attention
 from jaxtopk.attention import topk_attention
-from jaxtopk.selection import Certified
 from jaxtopk.selection import Dense
 from jaxtopk.selection import Policy
+from jaxtopk.selection import check_policy
 
 
 class DecoderAttention(Protocol):
@@ -105,7 +105,7 @@ def library_attention(
   if cache is None:
     res = topk_attention(query, key, value, policy=policy, is_causal=True)
     return res[0], res[-1]  # (output, Certificate): no residual asked for
-  needs_key = isinstance(policy, Certified) and policy.search.needs_rng
+  needs_key = policy.needs_rng
   if needs_key and rng is None:
     raise ValueError(f"{policy} decodes with MC-Search: pass rng=")
   res = decode_attention(
@@ -128,8 +128,7 @@ class PolicyAttention:
   policy: Policy
 
   def __post_init__(self):
-    if not isinstance(self.policy, Policy):
-      raise TypeError(f"policy={self.policy!r} must be a jaxtopk policy")
+    check_policy(self.policy)
 
   def prefill(self, query, key, value, *, rng=None):
     """``jaxtopk.topk_attention`` with a causal mask; see DecoderAttention."""
@@ -169,6 +168,6 @@ def cache_block_size(attention: Any, max_len: int) -> int:
   ``min(64, max_len)``.
   """
   policy = getattr(attention, "policy", None)
-  if isinstance(policy, Certified) and not policy.search.scores_all:
+  if policy is not None and not policy.scores_all:
     return policy.block_size
   return min(64, max_len)

@@ -54,7 +54,6 @@ from jaxtopk.nn._attention_fn import check_policy
 from jaxtopk.nn._attention_fn import flatten_batch
 from jaxtopk.nn._attention_fn import topk_attention_fn
 from jaxtopk.selection import Certificate
-from jaxtopk.selection import Certified
 from jaxtopk.selection import Policy
 from jaxtopk.selection import core
 
@@ -198,9 +197,7 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     # MC-Search (THEORY 6.3) samples keys in decode: its own rng stream,
     # split off after the parameters so they match nnx.MultiHeadAttention's.
     self.search_rngs = (
-      nnx.Rngs(search=rngs.params())
-      if isinstance(policy, Certified) and policy.search.needs_rng
-      else nnx.data(None)
+      nnx.Rngs(search=rngs.params()) if policy.needs_rng else nnx.data(None)
     )
 
   def __call__(
@@ -384,7 +381,7 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     self._cache_length = max_length
     self._cache_batch = tuple(batch)
     if block_size is None:
-      if isinstance(self.policy, Certified):
+      if self.policy.kind == "certified":
         block_size = self.policy.block_size
       else:
         block_size = min(DEFAULT_BLOCK_SIZE, max_length)

@@ -37,18 +37,9 @@ from jaxtopk.attention import registry
 from jaxtopk.attention import topk_attention
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Policy
+from jaxtopk.selection import check_policy
 
 CERTIFICATE_NAME = "certificate"
-
-
-def check_policy(policy: Any) -> Policy:
-  """Returns ``policy`` if it is a jaxtopk policy, else raises TypeError."""
-  if not isinstance(policy, Policy):
-    raise TypeError(
-      f"policy={policy!r} must be a jaxtopk policy (Dense(), FixedK(topk), "
-      "Ratio(rho), PowerLaw(alpha, c) or Certified(eps))"
-    )
-  return policy
 
 
 def check_implementation(implementation: Any) -> str | tuple[str, ...] | None:

@@ -44,6 +44,8 @@ from jaxtopk.selection._search import box_upper_bound_dot
 from jaxtopk.selection._search import mc_log_mass_row
 from jaxtopk.selection._search import search_row_partial
 from jaxtopk.selection._select import Selection
+from jaxtopk.selection._select import check_policy
+from jaxtopk.selection._select import keep_mask
 from jaxtopk.selection._select import select
 from jaxtopk.selection._select import select_rows
 from jaxtopk.selection.threshold import budget_mask
@@ -58,6 +60,7 @@ __all__ = [
   "capabilities",
   "Certificate",
   "Certified",
+  "check_policy",
   "certified_search",
   "Codes",
   "core",
@@ -67,6 +70,7 @@ __all__ = [
   "FEATURES",
   "FixedCount",
   "FixedK",
+  "keep_mask",
   "key_codes",
   "key_projection",
   "KeyBound",

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +102,24 @@ def capabilities(*features: str) -> frozenset[str]:
 
 
 class Policy:
-  """Base class of selection policies."""
+  """Base class of selection policies.
+
+  Attributes:
+    kind: what decides the kept set: 'dense' (every key), 'count' (a kept
+      count per row) or 'certified' (a TV budget); backends dispatch on it.
+  """
+
+  kind: ClassVar[str] = ""
+
+  @property
+  def needs_rng(self) -> bool:
+    """Whether selecting draws random numbers (a PRNG key is needed)."""
+    return False
+
+  @property
+  def scores_all(self) -> bool:
+    """Whether every key is scored (none is bounded and left unscored)."""
+    return True
 
   def num_kept(self, n: int) -> int | None:
     """Static number of kept keys for a row of ``n`` keys; None if dynamic."""
@@ -143,6 +161,8 @@ class Policy:
 
 class FixedCount(Policy):
   """Base of the fixed-count policies: a kept count per row."""
+
+  kind = "count"
 
   def num_kept(self, n: int) -> int:
     raise NotImplementedError
@@ -187,6 +207,8 @@ def _post(self, name, value):
 @dataclasses.dataclass(frozen=True)
 class Dense(FixedCount):
   """Keep every key: dense attention with a (zero) certificate."""
+
+  kind = "dense"
 
   def num_kept(self, n: int) -> int:
     return n
@@ -303,6 +325,7 @@ class Certified(Policy):
   eps: float
   search: SearchStrategy
   max_topk: int | None
+  kind = "certified"
 
   def __init__(
     self,
@@ -363,6 +386,14 @@ class Certified(Policy):
   @property
   def failure_prob(self) -> float:
     return self.search.failure_prob
+
+  @property
+  def needs_rng(self) -> bool:
+    return self.search.needs_rng
+
+  @property
+  def scores_all(self) -> bool:
+    return self.search.scores_all
 
 
 def _make_search(search, given) -> SearchStrategy:

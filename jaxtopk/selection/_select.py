@@ -42,8 +42,10 @@ class Selection:
   certificate: Certificate
 
 
-def keep_mask(s, policy, real, *, logit_error=0.0) -> jax.Array:
-  """The policy's kept set over rows whose every logit is known.
+def keep_mask(
+  s, policy, real, *, logit_error=0.0, n_keys=None, log_extra=None
+) -> jax.Array:
+  """The policy's kept set among the scored keys of each row.
 
   Args:
     s: ``[..., n]`` logits in the compute dtype (no gradient needed).
@@ -51,21 +53,30 @@ def keep_mask(s, policy, real, *, logit_error=0.0) -> jax.Array:
     real: ``[..., n]`` bool keys that may be kept (real, logit not -inf).
     logit_error: ``[...]`` delta of the logits (``core.logit_error_bound``);
       Certified aims below eps by ``core.search_log_margin``.
+    n_keys: static key count of the whole row when ``s`` holds only the
+      scored part of it (counts and margins are of the whole row); default
+      ``n``.
+    log_extra: optional ``[...]`` log U, a bound on the mass of the row's
+      unscored keys: Certified's budget is then eps (Z_S + U) and U counts
+      as dropped (THEORY 6.2).
 
   Returns:
     ``[..., n]`` bool, a subset of ``real``.
   """
   n = s.shape[-1]
+  n_keys = n if n_keys is None else n_keys
   if isinstance(policy, _policies.Dense):
     return real
   if isinstance(policy, _policies.FixedCount):
     n_real = jnp.sum(real, axis=-1, dtype=jnp.int32)
-    return threshold.topk_mask(s, policy.row_num_kept(n_real, n), real)
+    return threshold.topk_mask(s, policy.row_num_kept(n_real, n_keys), real)
   if not isinstance(policy, _policies.Certified):
     raise TypeError(f"{policy=} is not a selection policy")
-  margin = core.search_log_margin(n, logit_error, s.dtype)
+  margin = core.search_log_margin(n_keys, logit_error, s.dtype)
+  # A budget relative to the row's mass (Z_S + U): the threshold's first
+  # histogram pass gives Z_S, no separate log-sum-exp pass.
   log_frac = jnp.log(jnp.asarray(policy.eps, s.dtype)) - margin
-  keep = threshold.budget_mask(s, log_frac, real, relative=True)
+  keep = threshold.budget_mask(s, log_frac, real, log_extra, relative=True)
   if policy.max_topk is not None and policy.max_topk < n:
     capped = threshold.topk_mask(s, policy.max_topk, real)
     over = jnp.sum(keep, -1) > policy.max_topk
@@ -154,14 +165,18 @@ def check_mask(mask, shape, name="mask") -> jax.Array:
     ) from None
 
 
-def check_policy(policy, backend: str, supports) -> None:
-  """Raises TypeError for a non-policy, else ``policy.require``."""
+def check_policy(policy, backend: str | None = None, supports=None):
+  """``policy`` if it is a selection policy (else TypeError) that
+  ``backend`` honours (``policy.require(backend, supports)``, when given).
+  """
   if not isinstance(policy, _policies.Policy):
     raise TypeError(
       f"{policy=} is not a selection policy; expected Dense, FixedK, Ratio,"
       " PowerLaw or Certified"
     )
-  policy.require(backend, supports)
+  if backend is not None:
+    policy.require(backend, supports)
+  return policy
 
 
 def select(logits, policy, *, mask=None, values=None, key=None) -> Selection:

@@ -161,6 +161,32 @@ class StrategyTest(parameterized.TestCase):
     self.assertEqual(ex.search.feature, "search=exact")
     self.assertIsNone(ex.num_samples)
 
+  @parameterized.named_parameters(
+    ("dense", jaxtopk.Dense(), "dense", False, True),
+    ("fixed_k", jaxtopk.FixedK(3), "count", False, True),
+    ("ratio", jaxtopk.Ratio(0.5), "count", False, True),
+    ("power_law", jaxtopk.PowerLaw(1.0, 0.5), "count", False, True),
+    ("auto", jaxtopk.Certified(0.1), "certified", False, True),
+    ("exact", jaxtopk.Certified(0.1, "exact"), "certified", False, True),
+    ("delta", jaxtopk.Certified(0.1, "delta"), "certified", False, False),
+    ("mc", jaxtopk.Certified(0.1, "mc"), "certified", True, False),
+  )
+  def test_behaviour_is_declared_on_the_policy(
+    self, policy, kind, needs_rng, scores_all
+  ):
+    """Backends dispatch on these (no isinstance outside the package)."""
+    self.assertEqual(
+      (policy.kind, policy.needs_rng, policy.scores_all),
+      (kind, needs_rng, scores_all),
+    )
+
+  @parameterized.named_parameters(("str", "dense"), ("float", 0.5))
+  def test_check_policy_names_the_bad_value(self, value):
+    with self.assertRaisesRegex(TypeError, f"policy={value!r}"):
+      jaxtopk.selection.check_policy(value)
+    ok = jaxtopk.Dense()
+    self.assertIs(jaxtopk.selection.check_policy(ok), ok)
+
   def test_equal_policies_hash_alike_and_replace(self):
     a = jaxtopk.Certified(0.1, "delta", 32)
     b = jaxtopk.Certified(0.1, DeltaSearch(block_size=32))
