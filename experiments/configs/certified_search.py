@@ -42,10 +42,14 @@ def get_config(arg=None):
   if arg == "smoke":
     c.epss = (0.1,)
     s.sigmas = (3.0,)
-    s.n = 256
-    s.groups = 1
-    s.queries = 3
-    s.block_size = 16
+    # The synthetic rows take the MiniLM rows' shape (a chunk of 8 heads x
+    # 32 queries over 32 keys of 32 dims, blocks of 8): every source runs
+    # the same compiled search, one program per search.
+    s.n = 32
+    s.head_dim = 32
+    s.groups = 8
+    s.queries = 32
+    s.block_size = 8
     m.num_passages = 1
     m.max_len = 32
     m.block_size = 8

@@ -80,6 +80,7 @@ class NativeTopkSmokeTest(absltest.TestCase):
     config = native_topk_config.get_config("smoke")
     with config.unlocked():
       config.train.checkpoint_every = 100  # only the stop saves mid-run
+      config.train.base_steps = 8  # stopped after 4, resumed to the end
     straight = self._tmp()
     resumed = self._tmp()
     metrics = native_topk.Metrics(os.path.join(straight, "metrics.jsonl"))

@@ -56,6 +56,16 @@ def _train(mesh, steps=8):
   if mesh is not None:
     x = jax.device_put(x, parallel.activation_sharding(mesh, 3))
     y = jax.device_put(y, parallel.activation_sharding(mesh, 2))
+    # The optimizer's state placed as the step returns it (its step count
+    # replicated), ...
+    state = nnx.state(opt)
+    nnx.update(
+      opt, jax.device_put(state, parallel.param_shardings(state, mesh))
+    )
+  # ... and the layer's last_certificate created (by its first call) before
+  # the first step: otherwise the second step sees new inputs and compiles
+  # the train step again (a forward pass compiles in less time).
+  nnx.jit(lambda model, x: model(x))(model, x)
 
   @nnx.jit
   def step(model, opt, x, y):

@@ -59,12 +59,16 @@ _STOP_B = 3  # B stops (and checkpoints) after this Top-k step
 # cuts it by a third (every run uses the same flags).
 _XLA_FLAGS = "--xla_backend_optimization_level=0"
 _INT_FIELDS = ("k_kept", "keys_scored", "valid", "length")
+# One prefill and one decode case of worker.py's (every process compiles
+# each): the KV positions split over all 8 devices, a count policy and
+# Certified, a key mask. The training shards the data and heads axes.
+_CASES = ("prefill_kv8_fixedk", "decode_kv8_certified")
 
 
 def _launch(out, num_processes, devices, *flags, distributed=None):
   return parallel.launch.LocalCluster(
     [sys.executable, "-m", "tests.parallel.multiprocess.worker"]
-    + [f"--out={out}", *flags],
+    + [f"--out={out}", f"--cases={','.join(_CASES)}", *flags],
     num_processes=num_processes,
     devices_per_process=devices,
     timeout_s=_TIMEOUT_S,
@@ -127,6 +131,8 @@ class MultiProcessTest(absltest.TestCase):
   # when pytest-xdist sends the methods to different workers.
   @pytest.mark.slow
   def test_pod_runs(self):
+    cases = worker.prefill_cases() + worker.decode_cases()
+    self.assertContainsSubset(_CASES, [case[0] for case in cases])
     self._run_all()
     for check in (
       self._check_every_process_saw_one_8_device_mesh,
@@ -241,6 +247,8 @@ class MultiProcessTest(absltest.TestCase):
     got = _load(self.a, "prefill")  # = R0's (bitwise, tested)
     for seed, case in enumerate(worker.prefill_cases()):
       name, _, _, kv_heads, masked, causal = case
+      if not worker.wanted(name, _CASES):
+        continue
       q, k, v, mask = worker.prefill_inputs(seed, kv_heads)
       group = worker.H // kv_heads
       qh = q.transpose(0, 2, 1, 3)  # [b, h, t, d]
@@ -258,6 +266,8 @@ class MultiProcessTest(absltest.TestCase):
     for out in (self.a, self.c):  # gloo (= R0, B) and in-process
       got = _load(out, "decode")
       for seed, (name, _, _) in enumerate(worker.decode_cases()):
+        if not worker.wanted(name, _CASES):
+          continue
         k, v, q, k_new, v_new = worker.decode_inputs(seed)
         keys = np.concatenate([k, k_new], 1).transpose(0, 2, 1, 3)
         values = np.concatenate([v, v_new], 1).transpose(0, 2, 1, 3)

@@ -8,7 +8,7 @@ environment variables), builds global arrays from the block of data it
 loads itself (``parallel.make_global_array``), and runs:
 
 - ``--prefill``: sharded certified prefill (``sharded_topk_attention``) on
-  several meshes and policies;
+  several meshes and policies (``--cases`` picks some of them by name);
 - ``--decode``: sharded decode over a KV cache split along its positions
   across processes (``sharded_decode_attention``), after appending to the
   sharded cache;
@@ -71,6 +71,11 @@ def decode_cases():
     ("decode_kv8_certified", {"kv": 8}, jaxtopk.Certified(0.05)),
     ("decode_data2_kv4_fixedk", {"data": 2, "kv": 4}, jaxtopk.FixedK(6)),
   )
+
+
+def wanted(name, cases):
+  """Whether case ``name`` runs: ``cases`` lists names, empty: every case."""
+  return not cases or name in cases
 
 
 def prefill_inputs(seed, kv_heads):
@@ -137,7 +142,7 @@ def _time(fn, repeats):
   return dict(min_ms=1e3 * min(times), median_ms=1e3 * float(np.median(times)))
 
 
-def run_prefill(results, bench, repeats):
+def run_prefill(results, bench, repeats, cases=()):
   import jax
 
   from jaxtopk import parallel
@@ -145,6 +150,8 @@ def run_prefill(results, bench, repeats):
   for seed, (name, axes, policy, kv_heads, masked, causal) in enumerate(
     prefill_cases()
   ):
+    if not wanted(name, cases):
+      continue
     mesh = parallel.make_mesh(axes)
     q_spec, kv_spec = parallel.attention_specs(mesh)
     q, k, v, mask = prefill_inputs(seed, kv_heads)
@@ -180,13 +187,15 @@ def run_prefill(results, bench, repeats):
       )
 
 
-def run_decode(results, bench, repeats):
+def run_decode(results, bench, repeats, cases=()):
   import jax
 
   import jaxtopk
   from jaxtopk import parallel
 
   for seed, (name, axes, policy) in enumerate(decode_cases()):
+    if not wanted(name, cases):
+      continue
     mesh = parallel.make_mesh(axes)
     k, v, q, k_new, v_new = decode_inputs(seed)
     cache = jaxtopk.KVCache.create(DB, MAX_LEN, DHK, DD, block_size=16)
@@ -347,6 +356,9 @@ def _define_flags():
   flags.DEFINE_string("out", None, "Output directory.", required=True)
   flags.DEFINE_bool("prefill", False, "Run the sharded prefill cases.")
   flags.DEFINE_bool("decode", False, "Run the sharded decode cases.")
+  flags.DEFINE_list(
+    "cases", [], "Prefill and decode cases to run, by name (default: all)."
+  )
   flags.DEFINE_string("train_workdir", None, "Run native Top-k training.")
   flags.DEFINE_integer(
     "train_stop_at", None, "Stop the Top-k fine-tune after this step."
@@ -399,8 +411,16 @@ def _main(argv, initialized):
   if FLAGS.crash_process == jax.process_index():
     raise RuntimeError(f"injected failure in process {jax.process_index()}")
   stages = (
-    ("prefill", FLAGS.prefill, lambda r, b: run_prefill(r, b, FLAGS.repeats)),
-    ("decode", FLAGS.decode, lambda r, b: run_decode(r, b, FLAGS.repeats)),
+    (
+      "prefill",
+      FLAGS.prefill,
+      lambda r, b: run_prefill(r, b, FLAGS.repeats, FLAGS.cases),
+    ),
+    (
+      "decode",
+      FLAGS.decode,
+      lambda r, b: run_decode(r, b, FLAGS.repeats, FLAGS.cases),
+    ),
     (
       "decode_large",
       FLAGS.decode_large,
