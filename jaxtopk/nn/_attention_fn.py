@@ -226,8 +226,17 @@ def topk_attention_fn(
     (3, 5, 6)
   """
   check_policy(policy)
-  implementation = check_implementation(implementation)
+  return _attention_fn(policy, check_implementation(implementation))
 
+
+# One function per (policy, implementation): a module stores its
+# attention_fn as a static attribute, so equal layers built apart have equal
+# graphs and share their compiled programs (a new closure per call made
+# every new model instance recompile each jitted function over it).
+@functools.lru_cache(maxsize=256)
+def _attention_fn(
+  policy: Policy, implementation: str | tuple[str, ...] | None
+) -> Callable[..., jax.Array]:
   def attention_fn(
     query: jax.Array,
     key: jax.Array,

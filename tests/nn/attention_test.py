@@ -144,6 +144,23 @@ class ParityTest(parameterized.TestCase):
     self.assertIsInstance(cert, jaxtopk.Certificate)
     np.testing.assert_array_equal(cert.k_kept, KV_LEN)
 
+  def test_equal_layers_built_apart_share_their_graph(self):
+    """Equal layers have equal graphs: a jitted function over a new model
+    instance reuses the programs compiled for an equal one."""
+    make = lambda: topk_nn.CertifiedTopKAttention(  # noqa: E731
+      num_heads=4,
+      in_features=FEATURES,
+      qkv_features=12,
+      policy=jaxtopk.Certified(0.1),
+      decode=False,
+      rngs=nnx.Rngs(0),
+    )
+    a, b = make(), make()
+    self.assertIs(a.attention_fn, b.attention_fn)
+    self.assertEqual(nnx.graphdef(a), nnx.graphdef(b))
+    other = topk_nn.topk_attention_fn(jaxtopk.Certified(0.2))
+    self.assertIsNot(a.attention_fn, other)
+
   def test_deterministic_dropout_layer_matches(self):
     layer, ref = _pair(jaxtopk.Dense(), dropout_rate=0.3)
     xq, xk = _inputs()
