@@ -11,6 +11,7 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import nn as topk_nn
+from tests import rand
 
 B, HK, D, DV = 3, 2, 5, 7
 N, BS = 48, 8  # capacity and block / group size
@@ -21,8 +22,8 @@ S = 13  # positions an index is built on
 def _kv(seed, steps):
   kk, kv = jax.random.split(jax.random.key(seed))
   return (
-    jax.random.normal(kk, (B, steps, HK, D)),
-    jax.random.normal(kv, (B, steps, HK, DV)),
+    rand.normal(kk, (B, steps, HK, D)),
+    rand.normal(kv, (B, steps, HK, DV)),
   )
 
 

@@ -9,6 +9,7 @@ from absl.testing import parameterized
 import jaxtopk
 from jaxtopk.attention import _decode
 from jaxtopk.theory import _blockwise
+from tests import rand
 from tests.tolerances import tol
 
 B, HKV, H, D, DV = 3, 2, 6, 5, 7
@@ -18,12 +19,13 @@ LENGTHS = (1024, 700, 13)  # every batch row a different fill
 
 def _filled_cache(seed=0, clustered=False):
   """(cache filled in 3 chunks to N, cache with rows of LENGTHS, k, v)."""
-  kk, kv = jax.random.split(jax.random.key(seed))
-  k = jax.random.normal(kk, (B, N, HKV, D))
+  rng = rand.generator(seed)
+  k = rng.standard_normal((B, N, HKV, D))
+  v = rng.standard_normal((B, N, HKV, DV))
   if clustered:  # keys drift slowly, so block boxes are informative
-    drift = jnp.cumsum(jax.random.normal(kk, (B, N // BS, 1, D)), 1)
-    k = 0.2 * k + 3 * jnp.repeat(drift, BS, 1)
-  v = jax.random.normal(kv, (B, N, HKV, DV))
+    drift = np.cumsum(rng.standard_normal((B, N // BS, 1, D)), 1)
+    k = 0.2 * k + 3 * np.repeat(drift, BS, 1)
+  k, v = (jax.device_put(x.astype(np.float32)) for x in (k, v))
   empty = lambda: jaxtopk.KVCache.create(
     B, N, HKV, D, block_size=BS, value_dim=DV
   )
@@ -136,7 +138,7 @@ class DecodeTest(parameterized.TestCase):
   )
   def test_matches_topk_attention(self, policy):
     _, cache, k, v = _filled_cache()
-    q = 2 * jax.random.normal(jax.random.key(7), (B, 1, H, D))
+    q = 2 * rand.normal(7, (B, 1, H, D))
     out, cert = jaxtopk.decode_attention(q, cache, policy=policy)
     ref, rcert = _reference(q, k, v, policy)
     np.testing.assert_allclose(out, ref, **tol(jnp.float32))
@@ -147,10 +149,10 @@ class DecodeTest(parameterized.TestCase):
   def test_ties_in_candidate_path_sound(self):
     # Many identical keys: exact ties across sub-blocks and at the threshold.
     cache = jaxtopk.KVCache.create(1, N, 1, D, block_size=BS)
-    base = jax.random.normal(jax.random.key(1), (7, D))
+    base = rand.normal(1, (7, D))
     k = base[jnp.arange(N) % 7][None, :, None, :]
     cache = cache.append(k, k)
-    q = jax.random.normal(jax.random.key(2), (1, 1, 1, D))
+    q = rand.normal(2, (1, 1, 1, D))
     topk = 200  # 200 of 1024: several tied groups straddle the threshold
     idx, kept, thresh = _decode.topk_indices(
       (cache.keys[0, 0] @ q[0, 0, 0]).astype(jnp.float32)[None],
@@ -172,7 +174,7 @@ class DecodeTest(parameterized.TestCase):
   @parameterized.parameters("delta", "mc")
   def test_search_sound_and_skips_blocks(self, search):
     _, cache, k, v = _filled_cache(clustered=True)
-    q = jax.random.normal(jax.random.key(7), (B, 1, H, D))
+    q = rand.normal(7, (B, 1, H, D))
     policy = jaxtopk.Certified(0.05, search=search, block_size=BS)
     out, cert = jaxtopk.decode_attention(
       q, cache, policy=policy, key=jax.random.key(1)

@@ -14,6 +14,7 @@ from absl.testing import parameterized
 
 import jaxtopk
 from jaxtopk.attention import _topk
+from tests import rand
 from tests.tolerances import tol
 
 B, T, H, HKV, S, D = 2, 5, 4, 2, 11, 3  # every axis a different size
@@ -29,9 +30,9 @@ WINDOW = (2, 1)
 
 def _qkv(seed=0):
   kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(kq, (B, T, H, D))
-  k = jax.random.normal(kk, (B, S, HKV, D))
-  v = jax.random.normal(kv, (B, S, HKV, D))
+  q = rand.normal(kq, (B, T, H, D))
+  k = rand.normal(kk, (B, S, HKV, D))
+  v = rand.normal(kv, (B, S, HKV, D))
   return q, k, v
 
 
@@ -49,7 +50,7 @@ def _structure_mask(causal=True):
 class DropInTest(parameterized.TestCase):
   def test_bias_and_mask_are_positional(self):
     q, k, v = _qkv()
-    bias = jax.random.normal(jax.random.key(5), (1, H, T, S))
+    bias = rand.normal(5, (1, H, T, S))
     mask = _structure_mask()
     pol = jaxtopk.Dense()
     a = jaxtopk.topk_attention(q, k, v, bias, mask, policy=pol)
@@ -122,7 +123,7 @@ class DropInTest(parameterized.TestCase):
   def test_dense_matches_jax_nn_with_every_argument(self):
     q, k, v = _qkv(2)
     kv = [jnp.repeat(x, H // HKV, axis=2) for x in (k, v)]
-    bias = jax.random.normal(jax.random.key(6), (1, H, T, S))
+    bias = rand.normal(6, (1, H, T, S))
     kw = dict(
       is_causal=True,
       key_value_seq_lengths=KV_LENS,

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import jaxtopk
 from jaxtopk.attention import _prefill
 from jaxtopk.attention import _topk
+from tests import rand
 
 # CI draws 20 examples (compile-bound); HYPOTHESIS_PROFILE=soak draws 500.
 _CI_EXAMPLES = (
@@ -124,9 +125,9 @@ class BlockwiseBehaviourTest(parameterized.TestCase):
   def test_tiles_agree_with_one_tile(self):
     # Tiling and bands change nothing for fixed-count policies.
     ks = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(ks[0], (2, 7, 4, 5))
-    k = jax.random.normal(ks[1], (2, 11, 2, 5))
-    v = jax.random.normal(ks[2], (2, 11, 2, 6))
+    q = rand.normal(ks[0], (2, 7, 4, 5))
+    k = rand.normal(ks[1], (2, 11, 2, 5))
+    v = rand.normal(ks[2], (2, 11, 2, 6))
     for policy in (jaxtopk.Dense(), jaxtopk.FixedK(3), jaxtopk.Certified(0.1)):
       outs = [
         _topk.xla_topk_attention_with_keep(

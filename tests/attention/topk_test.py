@@ -12,6 +12,7 @@ from jax.test_util import check_grads
 
 import jaxtopk
 from jaxtopk.attention import _topk
+from tests import rand
 from tests.tolerances import tol
 
 B, T, H, HKV, S, D = 3, 5, 4, 2, 11, 7  # every axis a different size
@@ -19,9 +20,9 @@ B, T, H, HKV, S, D = 3, 5, 4, 2, 11, 7  # every axis a different size
 
 def _qkv(dtype=jnp.float32, h_kv=HKV, s=S, seed=0):
   kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(kq, (B, T, H, D), dtype)
-  k = jax.random.normal(kk, (B, s, h_kv, D), dtype)
-  v = jax.random.normal(kv, (B, s, h_kv, D + 6), dtype)
+  q = rand.normal(kq, (B, T, H, D), dtype)
+  k = rand.normal(kk, (B, s, h_kv, D), dtype)
+  v = rand.normal(kv, (B, s, h_kv, D + 6), dtype)
   return q, k, v
 
 
@@ -62,7 +63,7 @@ class DenseAgreementTest(parameterized.TestCase):
     v = v[..., :D]  # jax.nn needs head_dim_v == head_dim
     mask = None
     if masked:
-      mask = jax.random.bernoulli(jax.random.key(3), 0.7, (B, 1, T, S))
+      mask = rand.bernoulli(3, 0.7, (B, 1, T, S))
       mask = mask.at[..., 0].set(True)  # no fully masked row for jax.nn
     out, cert = jaxtopk.topk_attention(
       q, k, v, policy=policy, mask=mask, is_causal=causal
@@ -81,7 +82,7 @@ class DenseAgreementTest(parameterized.TestCase):
   def test_bias_matches_jax_nn(self):
     q, k, v = _qkv()
     v = v[..., :D]
-    bias = jax.random.normal(jax.random.key(4), (1, H, T, S))
+    bias = rand.normal(4, (1, H, T, S))
     out, _ = jaxtopk.topk_attention(q, k, v, policy=jaxtopk.Dense(), bias=bias)
     with jax.default_matmul_precision("highest"):  # as above: no TF32
       ref = jax.nn.dot_product_attention(q, k, v, bias=bias)

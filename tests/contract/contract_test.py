@@ -44,6 +44,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from jaxtopk.selection import UnsupportedPolicyError
+from tests import rand
 from tests import tolerances
 from tests.contract import families as fam
 from tests.contract import harness
@@ -352,7 +353,7 @@ class SlowContractTest(parameterized.TestCase):
     case = fam.fixed_case("normal", seed=3)
     q, k, v, mask, bias = _args(variant, case)
     fn = var.eager(variant.name, policy_name, "float32")
-    ct = jax.random.normal(jax.random.key(0), (fam.B, fam.T, fam.H, fam.E))
+    ct = rand.normal(0, (fam.B, fam.T, fam.H, fam.E))
 
     def loss(q, k, v):
       out, _ = fn(q, k, v, mask, bias)

@@ -15,6 +15,7 @@ from jax import test_util as jtu
 
 import jaxtopk
 from experiments import _selectors
+from tests import rand
 from tests.tolerances import tol
 
 N_KEYS = 13
@@ -22,7 +23,7 @@ LENGTHS = np.array([13, 11, 7, 5, 1])  # real keys per batch row
 
 
 def _inputs():
-  logits = jax.random.normal(jax.random.key(0), (5, 3, N_KEYS)) * 3.0
+  logits = rand.normal(0, (5, 3, N_KEYS)) * 3.0
   mask = np.arange(N_KEYS)[None, None, :] < LENGTHS[:, None, None]
   return logits, jnp.asarray(np.broadcast_to(mask, logits.shape))
 
@@ -90,7 +91,7 @@ class ApproxMaxKTest(parameterized.TestCase):
     np.testing.assert_array_equal(keep, _selectors.ExactTopK(0.4)(logits, mask))
 
   def test_emulation_recall_falls_with_target(self):
-    logits = jax.random.normal(jax.random.key(2), (7, 256))
+    logits = rand.normal(2, (7, 256))
     mask = jnp.ones_like(logits, bool)
     recalls = []
     for target in (0.3, 0.9):
@@ -140,9 +141,7 @@ class SelectorAttentionTest(parameterized.TestCase):
   @parameterized.parameters(0.3, 1.0)
   def test_exact_topk_matches_library_ratio(self, rho):
     b, s, h, d = 2, 11, 3, 7
-    q, k, v = (
-      jax.random.normal(jax.random.key(i), (b, s, h, d)) for i in range(3)
-    )
+    q, k, v = (rand.normal(i, (b, s, h, d)) for i in range(3))
     hook = _selectors.SelectorAttention(_selectors.ExactTopK(rho))
     got, info = jax.jit(hook.prefill)(q, k, v)
     want, cert = jaxtopk.topk_attention(
@@ -154,7 +153,7 @@ class SelectorAttentionTest(parameterized.TestCase):
     self.assertTrue(bool(jnp.all(info["tv_bound"] >= info["tv"])))
 
   def test_truncated_softmax_grads(self):
-    logits = jax.random.normal(jax.random.key(3), (3, 7)) * 5
+    logits = rand.normal(3, (3, 7)) * 5
     keep = jnp.arange(7)[None] < jnp.array([[1], [4], [7]])
     out = _selectors.truncated_softmax(logits, keep)
     np.testing.assert_allclose(jnp.sum(out, -1), 1.0, **tol(jnp.float32))

@@ -8,6 +8,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import jaxtopk
+from tests import rand
 from tests.contract import reference
 from tests.kernels import base
 
@@ -49,7 +50,7 @@ class PallasTopkAttentionTest(base.KernelTestCase):
 
   def test_dense_gradients_same_as_xla(self):
     q, k, v, mask = self._inputs()
-    ct = jax.random.normal(jax.random.key(3), (2, 21, 4, 8))
+    ct = rand.normal(3, (2, 21, 4, 8))
 
     def loss(impl, q, k, v):
       out, _ = jaxtopk.topk_attention(

@@ -2,7 +2,10 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import parameterized
+
+from tests import rand
 
 
 class KernelTestCase(parameterized.TestCase):
@@ -28,13 +31,14 @@ class KernelTestCase(parameterized.TestCase):
 
   def inputs(self, b, h, hkv, nq, nk, d, dv, dtype, seed=0, spread=2.0):
     """q [b,h,nq,d], k [b,hkv,nk,d], v [b,hkv,nk,dv], padding mask [b,nk]."""
-    ks = jax.random.split(jax.random.fold_in(jax.random.key(0), seed), 4)
-    q = (spread * jax.random.normal(ks[0], (b, h, nq, d))).astype(dtype)
-    k = jax.random.normal(ks[1], (b, hkv, nk, d)).astype(dtype)
-    v = jax.random.normal(ks[2], (b, hkv, nk, dv)).astype(dtype)
-    mask = jax.random.uniform(ks[3], (b, nk)) > 0.25
-    mask = mask.at[:, 0].set(True)
-    return q, k, v, mask
+    rng = rand.generator(seed)
+    q = spread * rng.standard_normal((b, h, nq, d))
+    k = rng.standard_normal((b, hkv, nk, d))
+    v = rng.standard_normal((b, hkv, nk, dv))
+    mask = rng.random((b, nk)) > 0.25
+    mask[:, 0] = True
+    q, k, v = (jax.device_put(x.astype(dtype)) for x in (q, k, v))
+    return q, k, v, jax.device_put(mask)
 
 
 def planted(b, h, hkv, nq, nk, d, dv, dtype, *, block_k, block_q, seed=0):
@@ -47,27 +51,26 @@ def planted(b, h, hkv, nq, nk, d, dv, dtype, *, block_k, block_q, seed=0):
   Returns:
     q [b, h, nq, d], k [b, hkv, nk, d], v [b, hkv, nk, dv], mask [b, nk].
   """
-  ks = jax.random.split(jax.random.fold_in(jax.random.key(0), seed), 6)
+  rng = rand.generator(seed)
   nb = -(-nk // block_k)
-  centre = jax.random.normal(ks[0], (b, hkv, nb, d))
-  k = jnp.repeat(centre, block_k, axis=2)[:, :, :nk]
-  k = k + 0.1 * jax.random.normal(ks[1], (b, hkv, nk, d))
+  centre = rng.standard_normal((b, hkv, nb, d))
+  k = np.repeat(centre, block_k, axis=2)[:, :, :nk]
+  k = k + 0.1 * rng.standard_normal((b, hkv, nk, d))
   g = h // hkv
-  tile = jnp.arange(nq) // block_q  # [nq]
-  target = (tile[None, :] * 5 + jnp.arange(h)[:, None]) % nb  # [h, nq]
-  cq = jnp.repeat(centre, g, axis=1)  # [b, h, nb, d]
-  q = 3.0 * jnp.take_along_axis(cq, target[None, :, :, None], axis=2)
-  q = q + 0.3 * jax.random.normal(ks[2], (b, h, nq, d))
-  v = jax.random.normal(ks[3], (b, hkv, nk, dv))
-  mask = jax.random.uniform(ks[4], (b, nk)) > 0.25
-  mask = mask.at[:, 0].set(True)
-  return q.astype(dtype), k.astype(dtype), v.astype(dtype), mask
+  tile = np.arange(nq) // block_q  # [nq]
+  target = (tile[None, :] * 5 + np.arange(h)[:, None]) % nb  # [h, nq]
+  cq = np.repeat(centre, g, axis=1)  # [b, h, nb, d]
+  q = 3.0 * np.take_along_axis(cq, target[None, :, :, None], axis=2)
+  q = q + 0.3 * rng.standard_normal((b, h, nq, d))
+  v = rng.standard_normal((b, hkv, nk, dv))
+  mask = rng.random((b, nk)) > 0.25
+  mask[:, 0] = True
+  q, k, v = (jax.device_put(x.astype(dtype)) for x in (q, k, v))
+  return q, k, v, jax.device_put(mask)
 
 
 def finite_close(test, got, want, **tol):
   """Asserts equal -inf patterns and close finite values."""
-  import numpy as np
-
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
   fin = np.isfinite(want)

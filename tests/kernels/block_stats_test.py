@@ -1,6 +1,5 @@
 """Tests for the block statistics kernel and certified block selection."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.special
@@ -8,6 +7,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from jaxtopk import kernels
+from tests import rand
 from tests.contract import reference
 from tests.kernels import base
 
@@ -56,7 +56,7 @@ class BlockStatsTest(base.KernelTestCase):
 class SelectBlocksTest(parameterized.TestCase):
   @parameterized.parameters(0.0, 0.01, 0.1, 0.5)
   def test_dropped_mass_within_budget_and_minimal(self, eps):
-    lse = 3.0 * jax.random.normal(jax.random.key(0), (2, 3, 11, 7))
+    lse = 3.0 * rand.normal(0, (2, 3, 11, 7))
     lse = lse.at[0, 0, 0, 2].set(-jnp.inf)  # an empty block
     keep = np.asarray(kernels.per_query_kept(lse, eps=eps))
     p = scipy.special.softmax(np.asarray(lse, np.float64), axis=-1)
@@ -68,7 +68,7 @@ class SelectBlocksTest(parameterized.TestCase):
     self.assertTrue(np.all(dropped + smallest > eps * (1 - 1e-5)))
 
   def test_tile_union_and_lists(self):
-    lse = 2.0 * jax.random.normal(jax.random.key(1), (1, 2, 11, 7))
+    lse = 2.0 * rand.normal(1, (1, 2, 11, 7))
     sel = kernels.select_blocks(lse, eps=0.1, block_q=4)
     self.assertEqual(sel.block_idx.shape, (1, 2, 3, 7))
     per_q = kernels.per_query_kept(lse, eps=0.1)
@@ -84,7 +84,7 @@ class SelectBlocksTest(parameterized.TestCase):
       self.assertTrue(np.all(pad == want[-1]))
 
   def test_max_blocks_caps_the_list(self):
-    lse = jax.random.normal(jax.random.key(2), (1, 1, 5, 13))
+    lse = rand.normal(2, (1, 1, 5, 13))
     sel = kernels.select_blocks(lse, eps=0.0, block_q=8, max_blocks=3)
     self.assertEqual(sel.block_idx.shape[-1], 3)
     self.assertTrue(bool(jnp.all(sel.block_count == 3)))

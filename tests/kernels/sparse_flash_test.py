@@ -8,6 +8,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from jaxtopk import kernels
+from tests import rand
 from tests import tolerances
 from tests.contract import reference
 from tests.kernels import base
@@ -107,7 +108,7 @@ class SparseFlashTest(base.KernelTestCase):
       1, 4, 2, 19, 70, 8, 5, jnp.float32, block_k=BK, block_q=BQ, seed=5
     )
     sel = _selection(q, k, mask, True, eps=0.1)
-    ct = jax.random.normal(jax.random.key(7), (1, 4, 19, 5))
+    ct = rand.normal(7, (1, 4, 19, 5))
 
     def loss(fn, q, k, v, **kw):
       o, lse = _call(fn, q, k, v, sel, mask, True, **kw)
@@ -176,7 +177,7 @@ class GatheredAttentionTest(parameterized.TestCase):
     self.assertTrue(bool(dropped) or causal)  # causal: no tile sees it
     kw = dict(mask=mask, is_causal=causal, block_q=BQ, block_k=BK)
     sc = dict(scale=8**-0.5)
-    ct = jax.random.normal(jax.random.key(2), (2, 6, 37, 5))
+    ct = rand.normal(2, (2, 6, 37, 5))
 
     def loss(fn, q, k, v, **extra):
       o, lse = fn(q, k, v, sel.block_idx, sel.block_count, **kw, **extra)

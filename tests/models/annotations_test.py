@@ -6,7 +6,6 @@ consistent shapes pass the check, an inconsistent one fails it.
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from absl.testing import absltest
 from beartype import beartype
@@ -16,6 +15,7 @@ from jaxtyping import jaxtyped
 
 import jaxtopk
 from jaxtopk import models
+from tests import rand
 
 _checked = jaxtyped(typechecker=beartype)
 
@@ -30,7 +30,7 @@ def _decoder():
 
 class AnnotationsTest(absltest.TestCase):
   def test_pooling(self):
-    hidden = jax.random.normal(jax.random.key(0), (3, 7, 5))
+    hidden = rand.normal(0, (3, 7, 5))
     mask = jnp.ones((3, 7), jnp.int32)
     pooled = _checked(models.mean_pool)(hidden, mask)
     _checked(models.l2_normalize)(pooled)

@@ -19,6 +19,7 @@ from absl.testing import parameterized
 from flax import nnx
 
 from jaxtopk import models
+from tests import rand
 from tests.tolerances import tol
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -66,7 +67,7 @@ def _small_model(**kw):
 
 def _small_inputs():
   key = jax.random.key(0)
-  ids = jax.random.randint(key, (_BATCH, _SEQ), 1, _SMALL.vocab_size)
+  ids = rand.randint(key, (_BATCH, _SEQ), 1, _SMALL.vocab_size)
   lengths = jnp.array([_SEQ, 4])
   mask = jnp.arange(_SEQ)[None] < lengths[:, None]  # [b, s]
   ids = jnp.where(mask, ids, 0)
@@ -225,7 +226,7 @@ class SmallBertTest(parameterized.TestCase):
 
 class PoolingTest(parameterized.TestCase):
   def test_mean_pool_ignores_padding(self):
-    hidden = jax.random.normal(jax.random.key(0), (3, 5, 7))
+    hidden = rand.normal(0, (3, 5, 7))
     mask = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]])
     pooled = np.asarray(models.mean_pool(hidden, mask))
     h = np.asarray(hidden)
@@ -234,7 +235,7 @@ class PoolingTest(parameterized.TestCase):
     np.testing.assert_array_equal(pooled[2], np.zeros(7))
 
   def test_l2_normalize(self):
-    x = jax.random.normal(jax.random.key(0), (3, 5))
+    x = rand.normal(0, (3, 5))
     y = models.l2_normalize(x)
     np.testing.assert_allclose(
       jnp.linalg.norm(y, axis=-1), np.ones(3), **tol(jnp.float32)

@@ -12,6 +12,7 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import models
+from tests import rand
 from tests.tolerances import tol
 
 CONFIG = models.DecoderConfig(
@@ -33,7 +34,7 @@ def _base_model():
 
 def _model_and_tokens():
   model = nnx.clone(_base_model())  # same graphdef: jits compile once
-  tokens = jax.random.randint(jax.random.key(0), (BATCH, SEQ), 0, 13)
+  tokens = rand.randint(0, (BATCH, SEQ), 0, 13)
   return model, tokens
 
 

@@ -10,6 +10,7 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import models
+from tests import rand
 
 CONFIG = models.DecoderConfig(
   vocab_size=17,
@@ -31,7 +32,7 @@ def _model():
 
 
 def _prompt():
-  return jax.random.randint(jax.random.key(1), (BATCH, PROMPT), 0, 17)
+  return rand.randint(1, (BATCH, PROMPT), 0, 17)
 
 
 class GenerateTest(absltest.TestCase):

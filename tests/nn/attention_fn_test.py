@@ -10,11 +10,11 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import nn as topk_nn
+from tests import rand
 from tests.nn.common import BATCH
 from tests.nn.common import FEATURES
 from tests.nn.common import KV_LEN
 from tests.nn.common import Q_LEN
-from tests.nn.common import normal
 from tests.tolerances import tol
 
 HEADS = 2
@@ -26,8 +26,8 @@ POLICIES = (
 
 
 def _inputs(dtype=jnp.float32):
-  xq = normal((BATCH, Q_LEN, FEATURES), dtype)
-  xk = normal((BATCH, KV_LEN, FEATURES), dtype, offset=1)
+  xq = rand.normal(0, (BATCH, Q_LEN, FEATURES), dtype)
+  xk = rand.normal(1, (BATCH, KV_LEN, FEATURES), dtype)
   return xq, xk
 
 

@@ -9,17 +9,17 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import nn as topk_nn
+from tests import rand
 from tests.nn.common import BATCH
 from tests.nn.common import FEATURES
 from tests.nn.common import KV_LEN
 from tests.nn.common import Q_LEN
-from tests.nn.common import normal
 from tests.tolerances import tol
 
 
 def _inputs(dtype=jnp.float32, kv_len=KV_LEN, batch=(BATCH,)):
-  xq = normal((*batch, Q_LEN, FEATURES), dtype)
-  xk = normal((*batch, kv_len, FEATURES), dtype, offset=1)
+  xq = rand.normal(0, (*batch, Q_LEN, FEATURES), dtype)
+  xk = rand.normal(1, (*batch, kv_len, FEATURES), dtype)
   return xq, xk
 
 

@@ -20,8 +20,8 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import nn as topk_nn
+from tests import rand
 from tests.nn.common import BATCH
-from tests.nn.common import normal
 
 # Causal self-attention over SEQ tokens; 2 query heads share 1 kv head.
 SEQ, FEATURES, HEADS, KV_HEADS = 13, 10, 2, 1
@@ -147,7 +147,7 @@ class SoundnessTest(parameterized.TestCase):
   )
   def test_read_back_certificates_are_sound(self, policy, case):
     model = Model(policy, rngs=nnx.Rngs(0))
-    x = normal((BATCH, SEQ, FEATURES))
+    x = rand.normal(0, (BATCH, SEQ, FEATURES))
     if case == "ties":  # repeated tokens: equal keys, tied logits
       x = jnp.concatenate([x[:, :4]] * 4, axis=1)[:, :SEQ]
     if case == "wide":  # huge logit ranges
@@ -162,7 +162,7 @@ class SoundnessTest(parameterized.TestCase):
   def test_bfloat16_model(self):
     policy = jaxtopk.FixedK(4)
     model = Model(policy, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    x = normal((BATCH, SEQ, FEATURES))
+    x = rand.normal(0, (BATCH, SEQ, FEATURES))
     mask = jnp.ones((1, 1, 1, SEQ), bool)
     _check_model(self, model, x.astype(jnp.bfloat16), mask, policy)
 
@@ -176,7 +176,7 @@ class SoundnessTest(parameterized.TestCase):
   def test_property_fixed_k(self, seed, scale, ties):
     policy = jaxtopk.FixedK(3)
     model = Model(policy, rngs=nnx.Rngs(0))
-    x = scale * normal((BATCH, SEQ, FEATURES), offset=seed)
+    x = scale * rand.normal(seed, (BATCH, SEQ, FEATURES))
     if ties:  # every key repeated: tied logits at the Top-k boundary
       x = jnp.repeat(x[:, : (SEQ + 1) // 2], 2, axis=1)[:, :SEQ]
     mask = jnp.ones((1, 1, 1, SEQ), bool)
@@ -201,7 +201,7 @@ class DecodeSoundnessTest(parameterized.TestCase):
       decode=False,
       rngs=nnx.Rngs(0),
     )
-    x = 3.0 * normal((BATCH, SEQ, FEATURES))
+    x = 3.0 * rand.normal(0, (BATCH, SEQ, FEATURES))
     # The same projections the decode steps compute, token by token.
     q, k, v = layer.query(x), layer.key(x), layer.value(x)
     layer.init_cache(x.shape)
@@ -235,7 +235,7 @@ class CollectTest(absltest.TestCase):
   def test_per_head_report(self):
     model = Model(jaxtopk.FixedK(3), rngs=nnx.Rngs(0))
     self.assertEqual(topk_nn.collect_certificates(model), {})
-    x = normal((BATCH, SEQ, FEATURES))
+    x = rand.normal(0, (BATCH, SEQ, FEATURES))
     model(x)
     certs = topk_nn.collect_certificates(model)
     report = topk_nn.per_head_report(certs["blocks/0/last_certificate"])
@@ -247,7 +247,7 @@ class CollectTest(absltest.TestCase):
 
   def test_sow_weights_sows_the_same_certificates(self):
     model = Model(jaxtopk.FixedK(3), rngs=nnx.Rngs(0))
-    x = normal((BATCH, SEQ, FEATURES))
+    x = rand.normal(0, (BATCH, SEQ, FEATURES))
     _, inter = nnx.capture(model, nnx.Intermediate)(x)
     self.assertEqual(topk_nn.collect_certificates(inter), {})  # as Flax
     _, inter = nnx.capture(model, nnx.Intermediate)(x, sow_weights=True)

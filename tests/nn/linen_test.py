@@ -10,10 +10,10 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import nn as topk_nn
+from tests import rand
 from tests.nn.common import BATCH
 from tests.nn.common import FEATURES
 from tests.nn.common import KV_LEN as SEQ
-from tests.nn.common import normal
 from tests.tolerances import tol
 
 HEADS = 2
@@ -43,7 +43,7 @@ class LinenBridgeTest(parameterized.TestCase):
     ("dense", jaxtopk.Dense()), ("fixed_k", jaxtopk.FixedK(3))
   )
   def test_linen_model_matches_nnx_layer(self, policy):
-    x = normal((BATCH, SEQ, FEATURES))
+    x = rand.normal(0, (BATCH, SEQ, FEATURES))
     mask = (jnp.arange(SEQ) < SEQ - 2)[None, None, None, :]
     model = Block(policy)
     variables = model.init(jax.random.key(1), x, mask)

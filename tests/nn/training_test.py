@@ -11,9 +11,9 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import nn as topk_nn
+from tests import rand
 from tests.nn.common import BATCH
 from tests.nn.common import KV_LEN as SEQ
-from tests.nn.common import normal
 
 FEATURES, HEADS = 6, 2
 
@@ -37,7 +37,7 @@ class Regressor(nnx.Module):
 
 def _task():
   """Target: a running max of the first feature (needs attention)."""
-  x = normal((BATCH, SEQ, FEATURES))
+  x = rand.normal(0, (BATCH, SEQ, FEATURES))
   return x, jax.lax.cummax(x[..., 0], axis=1)
 
 

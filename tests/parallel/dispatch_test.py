@@ -7,15 +7,16 @@ from absl.testing import absltest
 
 import jaxtopk
 from jaxtopk import parallel
+from tests import rand
 
 B, T, N, H, HK, D = 1, 3, 8, 2, 1, 4
 
 
 def _qkv():
   ks = jax.random.split(jax.random.key(1), 3)
-  q = jax.random.normal(ks[0], (B, T, H, D))
-  k = jax.random.normal(ks[1], (B, N, HK, D))
-  v = jax.random.normal(ks[2], (B, N, HK, D))
+  q = rand.normal(ks[0], (B, T, H, D))
+  k = rand.normal(ks[1], (B, N, HK, D))
+  v = rand.normal(ks[2], (B, N, HK, D))
   return q, k, v
 
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from jaxtopk.selection import core
 from jaxtopk.selection import key_codes
+from tests import rand
 
 LD = np.longdouble  # 80-bit on x86: exact products of float32 values
 F32 = np.finfo(np.float32)
@@ -550,8 +551,8 @@ class PartialTest(parameterized.TestCase):
       core.merge(core.Partial.empty(()), core.Partial.empty((), d_v=2))
 
   def test_partial_under_jit_vmap_and_grad(self):
-    s = jax.random.normal(jax.random.key(0), (3, 5, 7))
-    v = jax.random.normal(jax.random.key(1), (7, 2))
+    s = rand.normal(0, (3, 5, 7))
+    v = rand.normal(1, (7, 2))
     keep = s > 0
 
     def out(s, keep):

@@ -1,7 +1,6 @@
 """Low-rank key bounds for Delta-Search: sound vs float64, fewer keys."""
 
 import hypothesis.extra.numpy as hnp
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from hypothesis import strategies as st
 
 import jaxtopk
 from jaxtopk import selection
+from tests import rand
 
 R, N, D, BS = 3, 13, 5, 7  # rows, keys (ragged last block), dim, block
 
@@ -30,11 +30,12 @@ def _truth(q, k, keep, mask, scale):
 
 def _low_rank_keys(seed, r, n, d, rank, noise=0.01):
   """Keys on a random rank-``rank`` subspace plus a little noise."""
-  ka, kb, kn = jax.random.split(jax.random.key(seed), 3)
-  a = jax.random.normal(ka, (r, n, rank))
-  b = jax.random.normal(kb, (r, rank, d))
-  k = 2 * jnp.einsum("rnj,rjd->rnd", a, b)  # [r, n, d]
-  return np.asarray(k + noise * jax.random.normal(kn, (r, n, d)))
+  rng = rand.generator(seed)
+  a = rng.standard_normal((r, n, rank))
+  b = rng.standard_normal((r, rank, d))
+  k = 2 * np.einsum("rnj,rjd->rnd", a, b)  # [r, n, d]
+  k = k + noise * rng.standard_normal((r, n, d))
+  return k.astype(np.float32)
 
 
 _vals = st.one_of(
@@ -67,7 +68,7 @@ class LowRankBoundTest(parameterized.TestCase):
   def test_bound_tight_when_rank_spans_the_keys(self):
     rank = 2
     k = _low_rank_keys(0, 1, 11, 7, rank, noise=0.0)[0]
-    q = np.asarray(jax.random.normal(jax.random.key(1), (7,)))
+    q = np.asarray(rand.normal(1, (7,)))
     p = selection.key_projection(k, np.ones(11, bool), rank=rank)
     u = selection.lowrank_upper_bound(q, k, p, scale=1.0)
     s = _logits64(q, k, 1.0)
@@ -112,8 +113,8 @@ class LowRankSearchTest(parameterized.TestCase):
   )
   def test_adversarial_rows(self, kind):
     n, d = 11, 7
-    q = np.array(jax.random.normal(jax.random.key(0), (3, d)))
-    k = np.array(jax.random.normal(jax.random.key(1), (3, n, d)))
+    q = np.array(rand.normal(0, (3, d)))
+    k = np.array(rand.normal(1, (3, n, d)))
     mask = np.ones((3, n), bool)
     if kind == "ties":
       k[:] = k[:, :1]  # every key the same: all logits tie
@@ -144,7 +145,7 @@ class LowRankSearchTest(parameterized.TestCase):
     eps, bs = 0.05, 16
     # Keys on a 3-dim subspace of 13 dims: boxes are loose, rank 3 is tight.
     k = _low_rank_keys(2, 4, 512, 13, 3)
-    q = np.asarray(jax.random.normal(jax.random.key(3), (4, 13)))
+    q = np.asarray(rand.normal(3, (4, 13)))
     box = jaxtopk.Certified(eps, search="delta", block_size=bs)
     low = _policy(eps, 3, bs=bs)
     n_box = jaxtopk.certified_search(q, k, policy=box).certificate

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import jaxtopk
 from jaxtopk import theory
 from jaxtopk.selection import _search
+from tests import rand
 
 R, N, D, BS = 3, 40, 5, 8  # rows, keys (ragged last block), dim, block
 
@@ -26,10 +27,11 @@ def _truth(q, k, keep, mask, scale):
 
 
 def _clustered(seed, r, n, d, spread=3.0):
-  kk, kc = jax.random.split(jax.random.key(seed))
-  drift = jnp.cumsum(jax.random.normal(kc, (r, n // 16 + 1, d)), 1)
-  centres = jnp.repeat(drift, 16, 1)[:, :n]
-  return np.asarray(0.2 * jax.random.normal(kk, (r, n, d)) + spread * centres)
+  rng = rand.generator(seed)
+  drift = np.cumsum(rng.standard_normal((r, n // 16 + 1, d)), 1)
+  centres = np.repeat(drift, 16, 1)[:, :n]
+  k = 0.2 * rng.standard_normal((r, n, d)) + spread * centres
+  return k.astype(np.float32)
 
 
 _vals = st.one_of(
@@ -93,7 +95,7 @@ class SearchTest(parameterized.TestCase):
   )
   def test_scores_fewer_keys_on_clustered_rows(self, search, eps, bs):
     k = _clustered(0, 4, 512, 8)
-    q = 2 * np.asarray(jax.random.normal(jax.random.key(1), (4, 8)))
+    q = 2 * np.asarray(rand.normal(1, (4, 8)))
     mc = dict(num_samples=4) if search == "mc" else {}
     policy = jaxtopk.Certified(eps, search=search, block_size=bs, **mc)
     sel = jaxtopk.certified_search(q, k, policy=policy, key=jax.random.key(2))
@@ -109,7 +111,7 @@ class SearchTest(parameterized.TestCase):
     # Many rows, loose Hoeffding: count rows whose bound is below the truth.
     r, n = 64, 256
     k = _clustered(3, r, n, 8, spread=1.0)
-    q = 2 * np.asarray(jax.random.normal(jax.random.key(4), (r, 8)))
+    q = 2 * np.asarray(rand.normal(4, (r, 8)))
     policy = jaxtopk.Certified(
       0.05, search="mc", block_size=16, delta=0.05, num_samples=4
     )
@@ -127,7 +129,7 @@ class SearchTest(parameterized.TestCase):
 
   def test_dot_box_bound_equals_theory_box_bound(self):
     k = _clustered(5, 2, 64, 7)
-    q = np.asarray(jax.random.normal(jax.random.key(6), (2, 3, 7)))
+    q = np.asarray(rand.normal(6, (2, 3, 7)))
     box = theory.box_summary(k, block_size=BS)
     sub = jax.tree.map(lambda x: x[:, None], box)  # broadcast over 3
     want = theory.box_upper_bound(q, sub, scale=0.4)  # [2, 3, nb]

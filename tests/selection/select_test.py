@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxtopk
+from tests import rand
 from tests.theory import truth
 
 N = 13  # key axis used by the property tests (masks vary the real count)
@@ -69,7 +70,7 @@ class SelectTest(parameterized.TestCase):
     ("dense", jaxtopk.Dense()),
   )
   def test_counts_match_num_kept_and_sorted_top(self, policy):
-    s = jax.random.normal(jax.random.key(0), (7, 11, 37))
+    s = rand.normal(0, (7, 11, 37))
     sel = jaxtopk.select(s, policy)
     topk = policy.num_kept(37)
     np.testing.assert_array_equal(sel.k_kept, topk)
@@ -77,7 +78,7 @@ class SelectTest(parameterized.TestCase):
     np.testing.assert_array_equal(sel.keep, np.asarray(s) >= thresh[..., None])
 
   def test_counts_with_mask_use_real_keys(self):
-    s = jax.random.normal(jax.random.key(0), (5, 11))
+    s = rand.normal(0, (5, 11))
     n_real = np.array([11, 7, 3, 1, 5])
     mask = np.arange(11)[None, :] < n_real[:, None]
     for policy in (jaxtopk.Ratio(0.3), jaxtopk.PowerLaw(1.5, 0.5)):
@@ -88,7 +89,7 @@ class SelectTest(parameterized.TestCase):
 
   @parameterized.parameters(0.01, 0.05, 0.3)
   def test_certified_exact_is_minimal(self, eps):
-    s = 3.0 * jax.random.normal(jax.random.key(0), (13, 101))
+    s = 3.0 * rand.normal(0, (13, 101))
     sel = jaxtopk.select(s, jaxtopk.Certified(eps))
     s64 = np.sort(np.asarray(s, np.float64), -1)[:, ::-1]
     p = np.exp(s64 - s64[:, :1])
@@ -128,7 +129,7 @@ class SelectTest(parameterized.TestCase):
     self.assertEqual(sel.certificate.tv_bound.dtype, jnp.float32)
 
   def test_vmap_and_jit_agree(self):
-    s = jax.random.normal(jax.random.key(0), (5, 7, 11))
+    s = rand.normal(0, (5, 7, 11))
     pol = jaxtopk.Certified(0.1)
     a = jaxtopk.select(s, pol)
     b = jax.vmap(lambda x: jaxtopk.select(x, pol))(s)

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxtopk.selection import threshold
+from tests import rand
 
 N = 13
 
@@ -95,8 +96,8 @@ class TopkThresholdTest(parameterized.TestCase):
 
   @parameterized.parameters(8, 11, 16)
   def test_digit_widths_agree(self, digit_bits):
-    s = jax.random.normal(jax.random.key(0), (5, 301)) * 3
-    valid = jax.random.bernoulli(jax.random.key(1), 0.7, s.shape)
+    s = rand.normal(0, (5, 301)) * 3
+    valid = rand.bernoulli(1, 0.7, s.shape)
     k = jnp.array([1, 7, 50, 200, 400])
     t, _ = threshold.topk_threshold(s, k, valid, digit_bits=digit_bits)
     ref = jnp.sort(jnp.where(valid, s, -jnp.inf), -1)[:, ::-1]
@@ -117,8 +118,8 @@ class TopkThresholdTest(parameterized.TestCase):
       self.assertEqual(t.dtype, jnp.float64)
 
   def test_sharded_equals_single_device(self):
-    s = jnp.round(jax.random.normal(jax.random.key(2), (7, 60)) * 2)
-    valid = jax.random.bernoulli(jax.random.key(3), 0.8, s.shape)
+    s = jnp.round(rand.normal(2, (7, 60)) * 2)
+    valid = rand.bernoulli(3, 0.8, s.shape)
     k = jnp.array([1, 3, 5, 9, 20, 45, 70])
     one = threshold.topk_threshold(s, k, valid)
     fn = jax.vmap(
@@ -199,8 +200,8 @@ class BudgetThresholdTest(parameterized.TestCase):
     np.testing.assert_array_equal(s >= t1[:, None], [[1, 1, 1, 1, 1]])
 
   def test_sharded_equals_single_device(self):
-    s = 3 * jax.random.normal(jax.random.key(4), (5, 120))
-    valid = jax.random.bernoulli(jax.random.key(5), 0.9, s.shape)
+    s = 3 * rand.normal(4, (5, 120))
+    valid = rand.bernoulli(5, 0.9, s.shape)
     one = threshold.budget_threshold(s, jnp.log(0.05), valid, relative=True)
     fn = jax.vmap(
       lambda a, b: threshold.budget_threshold(
