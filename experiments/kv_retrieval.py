@@ -45,7 +45,7 @@ from absl import logging
 import jaxtopk
 from experiments import _common
 from experiments import _kv_caches
-from jaxtopk.attention import _index_search
+from jaxtopk.attention import _index_decode
 
 NAME = "kv_retrieval"
 
@@ -124,7 +124,7 @@ def _search(cache, index, eps, search, config, s64):
   if search == "mc":
     extra = dict(delta=config.mc_delta, num_samples=config.mc_samples)
   pol = jaxtopk.Certified(0.5, search, block_size=c, **extra)
-  _, cert, scored = _index_search._search_decode(  # scored: kept groups
+  _, cert, scored = _index_decode._search_decode(  # scored: kept groups
     q,
     index,
     jax.random.key(config.seed),

@@ -4,7 +4,8 @@
 API that the attention, kernel, parallel and nn layers build on. So are
 ``select_rows`` (select on validated logits with a logit error bound),
 ``search_row_partial`` (one row of Delta- / MC-Search, returning a
-``core.Partial``), ``mc_log_mass_row`` (MC-Search's per-block mass bound),
+``core.PartialSoftmax``), ``mc_log_mass_row`` (MC-Search's per-block mass
+bound),
 ``box_abs_dot`` and ``box_upper_bound_dot`` (block-box
 bounds written as dot products), and ``jaxtopk.selection.threshold``
 (few-pass Top-k and budget thresholds, sharded or not, and the compaction of
