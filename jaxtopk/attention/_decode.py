@@ -63,6 +63,7 @@ from jaxtopk.selection import box_upper_bound_dot
 from jaxtopk.selection import capabilities
 from jaxtopk.selection import core
 from jaxtopk.selection import key_codes
+from jaxtopk.selection import rng_argument
 from jaxtopk.selection import search_row_partial
 from jaxtopk.selection import threshold
 
@@ -1053,8 +1054,9 @@ def decode_attention(
   policy: Policy,
   scale=None,
   implementation: str | Sequence[str] | None = None,
-  key=None,
+  rng=None,
   return_residual: bool = False,
+  key=None,
 ) -> tuple[jax.Array, Certificate] | tuple[jax.Array, jax.Array, Certificate]:
   """Top-k attention of the newest query steps of each sequence over a
   KVCache.
@@ -1093,7 +1095,8 @@ def decode_attention(
       'sharded' under ``jax.set_mesh``), or a sequence of them tried in
       order: one that refuses the call (a policy field, the scale, the
       cache type, the platform) falls through to the next.
-    key: PRNG key for Certified(search='mc').
+    rng: PRNG key for Certified(search='mc') (``key=`` is its deprecated
+      name: warns).
     return_residual: also return the log-sum-exp residual (below), to merge
       partial results with ``merge_attention``; ops that cannot refuse it
       by name.
@@ -1113,7 +1116,7 @@ def decode_attention(
   Raises:
     TypeError: a non-policy, or a query that is not real floating.
     ValueError: on bad shapes, heads, scale or block size, or 'mc' without
-      a key, or an unknown implementation.
+      ``rng``, or an unknown implementation.
     UnsupportedPolicyError: a policy field the implementation cannot honour
       (named).
     UnsupportedCacheError: (a ValueError) no op of the implementation
@@ -1122,12 +1125,13 @@ def decode_attention(
   """
   query = checks.check_array(query, "query")
   checks.check_policy(policy)
+  rng = rng_argument(rng, key, "decode_attention")
   if not isinstance(return_residual, bool):
     raise TypeError(f"{return_residual=} must be a bool")
 
   def call(op):
     kw = dict(return_residual=True) if return_residual else {}
-    return op.fn(query, cache, policy=policy, scale=scale, key=key, **kw)
+    return op.fn(query, cache, policy=policy, scale=scale, key=rng, **kw)
 
   result = registry.dispatch(
     "decode",

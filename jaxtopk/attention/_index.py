@@ -58,6 +58,7 @@ from jaxtopk.attention._cache import check_append
 from jaxtopk.attention._cache import check_live
 from jaxtopk.selection import core
 from jaxtopk.selection import key_codes
+from jaxtopk.selection import rng_argument
 
 DEFAULT_GROUP_SIZE = 64
 OPEN_FACTOR = 1.5  # an appended key this many radii away opens a group
@@ -291,17 +292,19 @@ class IndexedKVCache:
     policy,
     scale=None,
     implementation=None,
-    key=None,
+    rng=None,
     return_residual=False,
+    key=None,
   ):
     """``jaxtopk.decode_attention`` over this index (see there)."""
+    rng = rng_argument(rng, key, "IndexedKVCache.decode_attention")
     return _decode.decode_attention(
       query,
       self,
       policy=policy,
       scale=scale,
       implementation=implementation,
-      key=key,
+      rng=rng,
       return_residual=return_residual,
     )
 

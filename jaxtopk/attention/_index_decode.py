@@ -76,7 +76,7 @@ def _search_decode(
       selection.mc_log_mass_row,
       scale=scale,
       num_samples=policy.num_samples,
-      delta=policy.delta,
+      delta=policy.failure_prob,
     )
     fn = jax.vmap(fn, in_axes=(0, None, None, 0, 0, 0))  # over g
     log_mass, _ = jax.vmap(jax.vmap(fn))(q, index.keys, slot_ok, u, cnt, rngs)

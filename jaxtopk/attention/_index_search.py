@@ -32,7 +32,7 @@ several logits above; the code products cost their byte share
 (``key_codes.code_cost``) in ``keys_scored``.
 
 - ``decode_attention(query, index, policy=Certified(eps))`` (the default
-  ``Auto``) and ``Certified(eps, 'delta', bound='codes')``: the groups are
+  ``Auto``) and ``Certified(eps, DeltaSearch(bound=Codes()))``: the groups are
   bounded by their codes alone (no ball read) and searched in rounds of
   about 1/64 of the keys (``_codes_search``); ``Auto`` picks per row
   between that and scoring every key, from a strided sample of code estimates

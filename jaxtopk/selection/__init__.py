@@ -47,6 +47,7 @@ from jaxtopk.selection._search import search_row_partial
 from jaxtopk.selection._select import Selection
 from jaxtopk.selection._select import check_policy
 from jaxtopk.selection._select import keep_mask
+from jaxtopk.selection._select import rng_argument
 from jaxtopk.selection._select import select
 from jaxtopk.selection._select import select_rows
 from jaxtopk.selection.threshold import budget_mask
@@ -82,6 +83,7 @@ __all__ = [
   "Policy",
   "PowerLaw",
   "Ratio",
+  "rng_argument",
   "search_row_partial",
   "SearchStrategy",
   "select",

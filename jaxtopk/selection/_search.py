@@ -308,7 +308,7 @@ def search_row_partial(
       rng,
       scale=scale,
       num_samples=search.num_samples,
-      delta=search.delta,
+      delta=search.failure_prob,
     )
     n_samp = search.num_samples * jnp.sum(cnt > 0).astype(jnp.int32)
   else:
