@@ -219,12 +219,17 @@ queries = 6.0 * jax.random.normal(kq, (n_q, d))  # [queries, d]
 
 epss = (0.05,) if SMALL else (0.3, 0.1, 0.03, 0.01)  # static: 1 jit each
 scored = {"exact": [], "delta": [], "mc": []}
+strategies = {
+  "exact": jaxtopk.Exact,
+  "delta": jaxtopk.DeltaSearch,
+  "mc": jaxtopk.MCSearch,
+}
 kept = []
 for eps in epss:
   for search in scored:
-    policy = jaxtopk.Certified(eps, search=search, block_size=block)
+    policy = jaxtopk.Certified(eps, strategies[search](block))
     sel = jaxtopk.certified_search(
-      queries, keys, policy=policy, key=jax.random.key(3)
+      queries, keys, policy=policy, rng=jax.random.key(3)
     )
     cert = sel.certificate
     assert bool(jnp.all(cert.tv_bound <= eps))
@@ -279,9 +284,9 @@ B, H, S, dh = rq.shape
 rk = np.broadcast_to(rk, (B, H, S, S, dh))  # one key row per query
 rmask = real["key_mask"][:, None, None, :]  # [B, 1, 1, S]
 for search in ("delta",) if SMALL else ("delta", "mc"):
-  policy = jaxtopk.Certified(0.05, search=search, block_size=8 if SMALL else 32)
+  policy = jaxtopk.Certified(0.05, strategies[search](8 if SMALL else 32))
   sel = jaxtopk.certified_search(
-    rq, rk, policy=policy, mask=rmask, key=jax.random.key(4)
+    rq, rk, policy=policy, mask=rmask, rng=jax.random.key(4)
   )
   summary = sel.certificate.summary()
   print(
@@ -368,7 +373,7 @@ plt.show()
 # The same kernels behind the backend switch of topk_attention (jax.nn
 # layout; interpret mode is picked on CPU), against the XLA path:
 x_q, x_k, x_v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-policy = jaxtopk.Certified(0.05, block_size=tile)
+policy = jaxtopk.Certified(0.05, jaxtopk.Auto(tile))
 for impl in ("pallas", "xla"):
   out_i, cert_i = jaxtopk.topk_attention(
     x_q, x_k, x_v, policy=policy, implementation=impl

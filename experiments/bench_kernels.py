@@ -109,7 +109,7 @@ def bench_decode(c, n):
     rec[f"dense_{impl}"] = _try(lambda f=f: f(q, k, v), repeats)
   cache = jaxtopk.KVCache.create(1, n, hk, d, block_size=bk, dtype=k.dtype)
   cache = cache.append(_bhtd(k), _bhtd(v))
-  pol = jaxtopk.Certified(c.eps, search="delta", block_size=bk)
+  pol = jaxtopk.Certified(c.eps, jaxtopk.DeltaSearch(bk))
   xla = jax.jit(lambda q, c: jaxtopk.decode_attention(q, c, policy=pol))
   rec["xla_topk_delta"] = _try(lambda: xla(_bhtd(q), cache), repeats)
   box = cache.box()
@@ -182,7 +182,7 @@ def bench_prefill(c, n):
   )
   rec["pallas_certified_prefill"] = _try(lambda: cert_fn(q, k, v), repeats)
   if n * n * h * 4 <= 8 * 2**30:
-    pol = jaxtopk.Certified(c.eps, block_size=bk)
+    pol = jaxtopk.Certified(c.eps, jaxtopk.Auto(bk))
     xla = jax.jit(
       lambda q, k, v: jaxtopk.topk_attention(
         _bhtd(q), _bhtd(k), _bhtd(v), policy=pol, is_causal=True

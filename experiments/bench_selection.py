@@ -16,7 +16,7 @@ keys_scored / n at eps = 0.01, 0.05, 0.1,
   queries.
 Beside it: the fraction an oracle needs (exact k_eps / n: no search can keep
 fewer than it must score); the library's low-rank Delta-Search
-(``Certified(eps, search='delta', bound='lowrank', rank=r)``, per-key bounds
+(``Certified(eps, DeltaSearch(bound=LowRank(r)))``, per-key bounds
 q_P.k_P + ||q_perp|| ||k_perp|| plus rounding slack, P the top-r
 eigenvectors of each row's K^T K), whose keys_scored includes the projected
 products as ceil(n r / d) key-equivalents (``lowrank_r{r}``; the q.k
@@ -191,7 +191,7 @@ def _delta_rows(name, q, k, mask, scale, block_size, ranks, epss):
   out = []
   d = q.shape[-1]
   for eps in epss:
-    policy = jaxtopk.Certified(eps, search="delta", block_size=block_size)
+    policy = jaxtopk.Certified(eps, jaxtopk.DeltaSearch(block_size))
     box = _run_search(q, k, mask, scale, policy)
     r = dict(
       rows=name,

@@ -357,7 +357,7 @@ def library_rows(cache, eps, writer):
   v64 = cache.values.astype(np.float64)
   policies = {
     "auto": jaxtopk.Certified(eps),
-    "codes": jaxtopk.Certified(eps, "delta", bound="codes"),
+    "codes": jaxtopk.Certified(eps, jaxtopk.DeltaSearch(bound=jaxtopk.Codes())),
     "exact": jaxtopk.Certified(eps, "exact"),
   }
   out = {}

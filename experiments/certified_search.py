@@ -64,7 +64,7 @@ def search_rows(rows: _data.Rows, policy, key):
       policy=policy,
       mask=jnp.asarray(mask[idx]),
       scale=rows.scale,
-      key=sub,
+      rng=sub,
     )
     cert = sel.certificate
     keep = np.asarray(sel.keep)
@@ -140,13 +140,15 @@ def analyse(rows: _data.Rows, config, block_size, source, writer, key):
       )
     )  # [G, q]
     for search in config.searches:
-      mc = dict(delta=config.delta, num_samples=config.num_samples)
-      policy = jaxtopk.Certified(
-        eps,
-        search=search,
-        block_size=block_size,
-        **(mc if search == "mc" else {}),
-      )
+      if search == "mc":
+        strategy = jaxtopk.MCSearch(
+          block_size, config.delta, config.num_samples
+        )
+      elif search == "delta":
+        strategy = jaxtopk.DeltaSearch(block_size)
+      else:
+        strategy = jaxtopk.Exact(block_size)
+      policy = jaxtopk.Certified(eps, strategy)
       res, key = search_rows(rows, policy, key)
       v = res["valid"][qm]
       tv, tau = res["tv_bound"][qm], res["tau"][qm]

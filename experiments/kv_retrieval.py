@@ -45,7 +45,7 @@ from absl import logging
 import jaxtopk
 from experiments import _common
 from experiments import _kv_caches
-from jaxtopk.attention import _index_search
+from jaxtopk.attention import _index_decode
 
 NAME = "kv_retrieval"
 
@@ -120,11 +120,12 @@ def _search(cache, index, eps, search, config, s64):
   """Runs one search on every query; returns per-row numpy arrays."""
   _, _, q = _as_jax(cache)
   c = index.group_size
-  extra = {}
   if search == "mc":
-    extra = dict(delta=config.mc_delta, num_samples=config.mc_samples)
-  pol = jaxtopk.Certified(0.5, search, block_size=c, **extra)
-  _, cert, scored = _index_search._search_decode(  # scored: kept groups
+    strategy = jaxtopk.MCSearch(c, config.mc_delta, config.mc_samples)
+  else:
+    strategy = jaxtopk.DeltaSearch(block_size=c)
+  pol = jaxtopk.Certified(0.5, strategy)
+  _, cert, scored = _index_decode._search_decode(  # scored: kept groups
     q,
     index,
     jax.random.key(config.seed),
@@ -169,7 +170,7 @@ def _pos_cache(cache, block_size):
 
 def _pos_search(cache, kv, eps, block_size):
   _, _, q = _as_jax(cache)
-  pol = jaxtopk.Certified(eps, "delta", block_size=block_size)
+  pol = jaxtopk.Certified(eps, jaxtopk.DeltaSearch(block_size))
   _, cert = jaxtopk.decode_attention(q, kv, policy=pol, scale=cache.scale)
   heads, nq, _ = cache.queries.shape
   return dict(
@@ -315,7 +316,7 @@ def measure_update(cache, group_size, config, writer):
   append_s = time.perf_counter() - tick
   fresh, _ = _build(cache, group_size, config)
   rebuilt = grown.rebuild(seed=config.seed)
-  pol = jaxtopk.Certified(0.05, "delta", block_size=group_size)
+  pol = jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(group_size))
   rec = dict(cache=cache.name, n=n, built_on=n0, append_s=append_s)
   for name, idx in (("grown", grown), ("fresh", fresh), ("rebuilt", rebuilt)):
     _, cert = jaxtopk.decode_attention(q, idx, policy=pol, scale=cache.scale)
@@ -335,7 +336,7 @@ def measure_timing(name, cache, index, config, writer, eps, note=""):
   q = jnp.asarray(cache.queries[:, 0])[None, None]  # [1, 1, H, d]
   kh = jnp.swapaxes(k, 1, 2)  # [1, H, n, d] head-major
   kv = _pos_cache(cache, index.group_size)
-  pol = jaxtopk.Certified(eps, "delta", block_size=index.group_size)
+  pol = jaxtopk.Certified(eps, jaxtopk.DeltaSearch(index.group_size))
   scale = cache.scale
 
   @jax.jit

@@ -54,8 +54,9 @@ def policies(config) -> list[tuple[str, object]]:
   out += [(f"ratio_{r:g}", jaxtopk.Ratio(r)) for r in config.ratios]
   for search in config.certified_searches:
     for eps in config.eps:
+      strategy = {"delta": jaxtopk.DeltaSearch, "mc": jaxtopk.MCSearch}
       policy = (
-        jaxtopk.Certified(eps, search, block_size=config.block_size)
+        jaxtopk.Certified(eps, strategy[search](config.block_size))
         if search != "exact"
         else jaxtopk.Certified(eps)
       )

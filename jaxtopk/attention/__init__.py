@@ -1,5 +1,6 @@
 """Attention on the XLA path: Top-k prefill and decode with certificates."""
 
+from jaxtopk.attention import _index_decode  # noqa: F401  (registers the op)
 from jaxtopk.attention._cache import KVCache
 from jaxtopk.attention._cache import init_kv_cache
 from jaxtopk.attention._cache import kv_cache_update
@@ -12,9 +13,9 @@ from jaxtopk.attention._index import build_kv_index
 from jaxtopk.attention._index import kv_index_from_cache
 from jaxtopk.attention._index import kv_index_update
 from jaxtopk.attention._index import rebuild_kv_index
-from jaxtopk.attention._index_search import certify_selection
 from jaxtopk.attention._index_search import group_upper_bounds
-from jaxtopk.attention._index_search import grow_selection
+from jaxtopk.attention._index_selection import certify_selection
+from jaxtopk.attention._index_selection import grow_selection
 from jaxtopk.attention._merge import merge_attention
 from jaxtopk.attention._topk import IMPLEMENTATIONS
 from jaxtopk.attention._topk import causal_mask

@@ -3,7 +3,7 @@
 THEORY 8.1 (exact Top-k decoding), 6.1-6.3 (certified searches), 3.3 (block
 bounds from the cached boxes), 4.2/4.4 (output error). One new query per
 sequence and head attends to the filled cache positions. Every certificate
-comes from ``jaxtopk.selection.core`` (``Partial`` statistics of the kept
+comes from ``jaxtopk.selection.core`` (``PartialSoftmax`` statistics of the kept
 and dropped keys, merged and finalised there); selection only decides the
 kept set (``jaxtopk.selection.threshold``).
 
@@ -21,7 +21,8 @@ the ``[b, h, n]`` logits and the kept values only:
    a distinct key >= lo);
 4. one pass: the keys >= lo (the candidates) compacted into a static
    capacity (``threshold.mask_indices``), and the partial softmax
-   statistics of the keys below lo (``core.Partial``, for the certificate);
+   statistics of the keys below lo (``core.PartialSoftmax``, for the
+   certificate);
 5. the exact threshold among the candidates (``threshold.topk_threshold``
    or ``budget_threshold`` with the mass below lo as extra), the kept keys
    compacted, their values gathered (never a pass over all values), and the
@@ -62,6 +63,7 @@ from jaxtopk.selection import box_upper_bound_dot
 from jaxtopk.selection import capabilities
 from jaxtopk.selection import core
 from jaxtopk.selection import key_codes
+from jaxtopk.selection import rng_argument
 from jaxtopk.selection import search_row_partial
 from jaxtopk.selection import threshold
 
@@ -305,7 +307,7 @@ def _kept_values_fn(keep, values, capacity):
   """``p -> sum_i p_i v_i`` over the kept keys ``keep`` ``[b, hk, g, n]``.
 
   A gather of the kept values when every row keeps <= ``capacity`` keys,
-  else the dense (chunked) product; a ``value_fn`` for ``Partial``.
+  else the dense (chunked) product; a ``value_fn`` for ``PartialSoftmax``.
   """
   n = keep.shape[-1]
   if capacity >= n:
@@ -330,14 +332,15 @@ def _kept_values_fn(keep, values, capacity):
 
 
 def _with_output(part, d_v):
-  """``part`` with a zero output (a Partial of dropped keys only)."""
+  """``part`` with a zero output (a PartialSoftmax of dropped keys only)."""
   o = jnp.zeros((*part.m.shape, d_v), part.m.dtype)
   return dataclasses.replace(part, o=o)
 
 
 def _full_row(st: _Step, keep, capacity):
-  """The Partial of a row whose kept set ``keep`` ``[b, hk, g, n]`` is known."""
-  return core.Partial.from_logits(
+  """The PartialSoftmax of a row whose kept set ``keep`` ``[b, hk, g, n]`` is
+  known."""
+  return core.PartialSoftmax.from_logits(
     st.s,
     keep,
     st.real,
@@ -349,13 +352,13 @@ def _full_row(st: _Step, keep, capacity):
 
 
 def _below(st: _Step, below, group, row_ok):
-  """The Partial of the keys ``below`` (all dropped), with a zero output.
+  """The PartialSoftmax of the keys ``below`` (all dropped), with a zero output.
 
   Strided columns of ``group`` keys (a vectorised pass); the value norm of
   a dropped key is bounded by the cache's largest (``cache.vmax``), so no
   pass over the norms; ``row_ok`` (from the row max) replaces the NaN check.
   """
-  part = core.Partial.from_dropped(
+  part = core.PartialSoftmax.from_dropped(
     st.s,
     below,
     logit_error=st.delta,
@@ -400,14 +403,15 @@ class _Candidates:
     ok: ``[b, hk, g, cap]`` bool used slots.
     s: ``[b, hk, g, cap]`` their logits (-inf in unused slots).
     vn: ``[b, hk, g, cap]`` their value norms.
-    below: Partial of the keys < lo (dropped whatever the candidates keep).
+    below: PartialSoftmax of the keys < lo (dropped whatever the candidates
+    keep).
   """
 
   idx: jax.Array
   ok: jax.Array
   s: jax.Array
   vn: jax.Array
-  below: core.Partial
+  below: core.PartialSoftmax
 
 
 def _row_ok(bmax):
@@ -445,7 +449,7 @@ def _finish_candidates(st: _Step, c: _Candidates, kept, capacity, **kw):
       "bkgt,bkgtd->bkgd", pk, vals.astype(p.dtype), precision=_HIGHEST
     )
 
-  head = core.Partial.from_logits(
+  head = core.PartialSoftmax.from_logits(
     c.s,
     kept,
     c.ok,
@@ -824,7 +828,7 @@ def _certified_codes(
   base_cost = code_cost + extra
   below = real & ~cand
   vmax = jnp.broadcast_to(cache.vmax[..., None, None], u.shape)
-  empty = core.Partial.empty(
+  empty = core.PartialSoftmax.empty(
     count.shape, dt, d_v=cache.values.shape[-1], norms=True
   )
   below_part = empty.add_tail(u, below, norms=vmax)  # sum_{u < t} e^u
@@ -886,7 +890,7 @@ def _certified_codes(
       zero = jnp.zeros((*p.shape[:-1], cache.values.shape[-1]), p.dtype)
       return lax.fori_loop(0, v_trips, step, zero)
 
-    head = core.Partial.from_logits(
+    head = core.PartialSoftmax.from_logits(
       cs,
       keep,
       ok,
@@ -1050,8 +1054,9 @@ def decode_attention(
   policy: Policy,
   scale=None,
   implementation: str | Sequence[str] | None = None,
-  key=None,
+  rng=None,
   return_residual: bool = False,
+  key=None,
 ) -> tuple[jax.Array, Certificate] | tuple[jax.Array, jax.Array, Certificate]:
   """Top-k attention of the newest query steps of each sequence over a
   KVCache.
@@ -1075,7 +1080,7 @@ def decode_attention(
 
   The op is chosen from the registry (``attention.registry``) by
   ``implementation`` and the cache's type: over an IndexedKVCache 'xla' is
-  the content index's search (``attention._index_search``).
+  the content index's search (``attention._index_decode``).
 
   Args:
     query: ``[batch, q_len, num_heads, head_dim]``, q_len >= 1; num_heads a
@@ -1090,7 +1095,8 @@ def decode_attention(
       'sharded' under ``jax.set_mesh``), or a sequence of them tried in
       order: one that refuses the call (a policy field, the scale, the
       cache type, the platform) falls through to the next.
-    key: PRNG key for Certified(search='mc').
+    rng: PRNG key for Certified(search='mc') (``key=`` is its deprecated
+      name: warns).
     return_residual: also return the log-sum-exp residual (below), to merge
       partial results with ``merge_attention``; ops that cannot refuse it
       by name.
@@ -1110,7 +1116,7 @@ def decode_attention(
   Raises:
     TypeError: a non-policy, or a query that is not real floating.
     ValueError: on bad shapes, heads, scale or block size, or 'mc' without
-      a key, or an unknown implementation.
+      ``rng``, or an unknown implementation.
     UnsupportedPolicyError: a policy field the implementation cannot honour
       (named).
     UnsupportedCacheError: (a ValueError) no op of the implementation
@@ -1119,12 +1125,13 @@ def decode_attention(
   """
   query = checks.check_array(query, "query")
   checks.check_policy(policy)
+  rng = rng_argument(rng, key, "decode_attention")
   if not isinstance(return_residual, bool):
     raise TypeError(f"{return_residual=} must be a bool")
 
   def call(op):
     kw = dict(return_residual=True) if return_residual else {}
-    return op.fn(query, cache, policy=policy, scale=scale, key=key, **kw)
+    return op.fn(query, cache, policy=policy, scale=scale, key=rng, **kw)
 
   result = registry.dispatch(
     "decode",

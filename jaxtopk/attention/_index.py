@@ -51,17 +51,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtopk.attention import _decode
+from jaxtopk.attention import _kmeans
 from jaxtopk.attention import checks
 from jaxtopk.attention._cache import KVCache
 from jaxtopk.attention._cache import check_append
 from jaxtopk.attention._cache import check_live
 from jaxtopk.selection import core
 from jaxtopk.selection import key_codes
+from jaxtopk.selection import rng_argument
 
 DEFAULT_GROUP_SIZE = 64
 OPEN_FACTOR = 1.5  # an appended key this many radii away opens a group
 _ROUND_MACS = 1 << 17  # multiply-adds of q.k per search round (default)
-_ASSIGN_CHUNK = 2048  # keys per chunk of the k-means distance matrix
 
 
 def norm_up(x) -> jax.Array:
@@ -291,17 +292,19 @@ class IndexedKVCache:
     policy,
     scale=None,
     implementation=None,
-    key=None,
+    rng=None,
     return_residual=False,
+    key=None,
   ):
     """``jaxtopk.decode_attention`` over this index (see there)."""
+    rng = rng_argument(rng, key, "IndexedKVCache.decode_attention")
     return _decode.decode_attention(
       query,
       self,
       policy=policy,
       scale=scale,
       implementation=implementation,
-      key=key,
+      rng=rng,
       return_residual=return_residual,
     )
 
@@ -310,65 +313,6 @@ def _segment_max(x, seg, num, fill):
   return jax.ops.segment_max(x, seg, num, indices_are_sorted=False).clip(
     min=fill
   )
-
-
-def _kmeans_row(x, valid, num_clusters, iters, sample, rng):
-  """k-means++ then Lloyd for one row; ``[n]`` cluster ids (invalid: K).
-
-  Seeding (k-means++: each new centre drawn with probability proportional
-  to the squared distance to the nearest centre so far) and the Lloyd
-  iterations run on ``sample`` evenly spaced real keys (static), the final
-  assignment on all of them. Plain random seeding leaves ~1/e of the
-  clusters of clustered keys without a centre and merges them into loose
-  groups.
-  """
-  n, d = x.shape
-  k = num_clusters
-  nv = jnp.sum(valid, dtype=jnp.int32)
-  vidx = jnp.nonzero(valid, size=n, fill_value=0)[0]  # [n] positions
-  spick = (jnp.arange(sample) * jnp.maximum(nv, 1)) // sample
-  xs = x[vidx[spick]]  # [S, d]
-  vs = jnp.arange(sample) < nv  # fewer real keys than samples: repeats off
-  gumbel = jax.random.gumbel(rng, (k, sample), x.dtype)
-
-  def seed(i, st):
-    c, dmin = st
-    logp = jnp.where(
-      vs & (dmin > 0), jnp.log(jnp.maximum(dmin, 1e-30)), -jnp.inf
-    )
-    pick = jnp.argmax(jnp.where(i == 0, 0.0, logp) + gumbel[i])
-    new = xs[pick]
-    dmin = jnp.minimum(dmin, jnp.sum((xs - new) ** 2, -1))
-    return c.at[i].set(new), dmin
-
-  c0 = jnp.zeros((k, d), x.dtype)
-  c, _ = jax.lax.fori_loop(
-    0, k, seed, (c0, jnp.full((sample,), jnp.inf, x.dtype))
-  )
-
-  def assign(c, xx):
-    m = xx.shape[0]
-    chunk = min(m, _ASSIGN_CHUNK)
-    pad = -m % chunk
-    xp = jnp.pad(xx, ((0, pad), (0, 0))).reshape(-1, chunk, d)
-    cn = jnp.sum(c * c, -1)  # [K]
-    # RANK ONLY: the assignment orders centres by distance; the summaries
-    # are computed from the members afterwards (``_group_summaries``), so
-    # any precision is sound here (fast TF32 / bf16 passes are fine).
-    near = lambda xc: jnp.argmin(cn - 2 * xc @ c.T, -1)  # [chunk]
-    with jax.named_scope("rank_only"):
-      return jax.lax.map(near, xp).reshape(-1)[:m]
-
-  def step(_, c):
-    a = assign(c, xs)
-    w = vs.astype(x.dtype)
-    tot = jax.ops.segment_sum(xs * w[:, None], a, k)  # [K, d]
-    cnt = jax.ops.segment_sum(w, a, k)  # [K]
-    return jnp.where(cnt[:, None] > 0, tot / jnp.maximum(cnt, 1)[:, None], c)
-
-  c = jax.lax.fori_loop(0, iters, step, c)
-  a = assign(c, x)
-  return jnp.where(valid, a, k), c
 
 
 def _group_summaries(x, v, valid, grp, num_groups):
@@ -408,58 +352,6 @@ def radius_to(x, c) -> jax.Array:
   fin = jnp.finfo(dt)
   r = norm_up(x - c) * (1 + 2 * fin.eps) + 4 * fin.eps * norm_up(c)
   return r + 2 * (d**0.5) * fin.tiny
-
-
-def _seg_argmax(score, seg, num, valid):
-  """Index of the largest ``score`` in each segment (first on ties)."""
-  n = score.shape[0]
-  score = jnp.where(valid, score, -jnp.inf)
-  best = jax.ops.segment_max(score, seg, num)
-  hit = valid & (score == best[seg])
-  idx = jax.ops.segment_min(jnp.where(hit, jnp.arange(n), n), seg, num)
-  return jnp.minimum(idx, n - 1)
-
-
-def _bisect_oversized(x, valid, a, c, c_sz, iters=3):
-  """2-means split of every k-means cluster holding more than C keys.
-
-  k-means leaves some pairs of true clusters merged; cutting such a cluster
-  into C-key chunks by count would put a few keys of one cluster into the
-  other's group and blow up its radius. Each oversized cluster is split by
-  2-means seeded with its farthest key p and the key farthest from p.
-
-  Returns:
-    ``(sub, t)``: ``[n]`` sub-cluster ids 2a + side (invalid keys: 2K) and
-    an order key within the sub-cluster (distance to p).
-  """
-  k = c.shape[0]
-  a_c = jnp.minimum(a, k - 1)
-  size = jax.ops.segment_sum(valid.astype(jnp.int32), a, k + 1)[:k]
-  big = size > c_sz  # [K]
-  d_c = jnp.sum((x - c[a_c]) ** 2, -1)
-  p = x[_seg_argmax(d_c, a, k + 1, valid)[:k]]  # [K, d]
-  d_p = jnp.sum((x - p[a_c]) ** 2, -1)
-  p2 = x[_seg_argmax(d_p, a, k + 1, valid)[:k]]  # [K, d]
-  cc = jnp.stack([p, p2], 1)  # [K, 2, d]
-
-  def side_of(cc):
-    d0 = jnp.sum((x - cc[a_c, 0]) ** 2, -1)
-    d1 = jnp.sum((x - cc[a_c, 1]) ** 2, -1)
-    return (d1 < d0) & big[a_c]
-
-  def step(_, cc):
-    sid = jnp.where(valid, 2 * a + side_of(cc), 2 * k)
-    w = valid.astype(x.dtype)
-    tot = jax.ops.segment_sum(x * w[:, None], sid, 2 * k + 1)[: 2 * k]
-    cnt = jax.ops.segment_sum(w, sid, 2 * k + 1)[: 2 * k]
-    new = tot / jnp.maximum(cnt, 1)[:, None]
-    new = jnp.where(cnt[:, None] > 0, new, cc.reshape(2 * k, -1))
-    return new.reshape(k, 2, -1)
-
-  cc = jax.lax.fori_loop(0, iters, step, cc)
-  sub = jnp.where(valid, 2 * a + side_of(cc), 2 * k)
-  t = jnp.where(jnp.isfinite(d_p), d_p, 0.0)
-  return sub, t
 
 
 def _chunk_slots(sub, t, valid, num_sub, c_sz, num_groups):
@@ -504,8 +396,10 @@ def _build_row(
   x = keys.astype(dt)
   c_sz = group_size
   k = num_clusters
-  a, c = _kmeans_row(x, valid, k, iters, min(n, 16 * k), rng)  # [n] in [0, K]
-  sub, t = _bisect_oversized(x, valid, a, c, c_sz)  # [n] in [0, 2K]
+  a, c = _kmeans.kmeans_row(
+    x, valid, k, iters, min(n, 16 * k), rng
+  )  # [n] in [0, K]
+  sub, t = _kmeans.bisect_oversized(x, valid, a, c, c_sz)  # [n] in [0, 2K]
   slot, n_used = _chunk_slots(sub, t, valid, 2 * k, c_sz, num_groups)
   # Fallback (never needed in the runs of BUILD_NOTES): if the bisected
   # clusters need more groups than exist, chunk the k-means clusters as

@@ -59,7 +59,8 @@ Two engines, one per kind of policy:
   ``decode_attention`` / ``certified_search``, which sample).
 
 The certificate of every row comes from ``jaxtopk.selection.core``: a
-``core.Partial`` of the scored keys (``Partial.from_logits``, with the
+``core.PartialSoftmax`` of the scored keys (``PartialSoftmax.from_logits``,
+with the
 kept-set output through the caller's einsum), the unscored blocks' bounds
 merged into its tail (``add_tail``), and ``finalize``. The logit rounding
 bound of a row (``core.logit_error_bound``, subnormal inputs included) is
@@ -382,7 +383,8 @@ def _bias_abs(bias_cols, real):
 
 
 # ---------------------------------------------------------------------------
-# The two engines. A tile function returns (core.Partial, keep or None) for
+# The two engines. A tile function returns (core.PartialSoftmax, keep or None)
+# for
 # rows [i bq, (i + 1) bq) of every batch and head.
 
 
@@ -416,7 +418,8 @@ def _tile_rows(c, i):
 
 
 def _pv(v):
-  """The value_fn of ``core.Partial.from_logits``: weights times values."""
+  """The value_fn of ``core.PartialSoftmax.from_logits``: weights times
+  values."""
   return lambda w: jnp.einsum("bkgqs,bksd->bkgqd", w, v, precision=HIGHEST)
 
 
@@ -444,7 +447,7 @@ def _scan_all_tile(c, length, i):
   pos = real & (sgs > -jnp.inf)
   keep = selection.keep_mask(sgs, c.policy, pos, logit_error=delta, n_keys=p.s)
   vn = arr["vn"][:, :, None, None, :length] if c.values_bound else None
-  part = core.Partial.from_logits(
+  part = core.PartialSoftmax.from_logits(
     s,
     keep,
     real,
@@ -574,7 +577,7 @@ def _search_tile(c, i):
       vn = vn.reshape(p.b, p.hk, 1, 1, r * bs)
       bn = jnp.where(jnp.isnan(arr["blk_vn"]), 0.0, arr["blk_vn"])
       norms = jnp.broadcast_to(bn[:, :, None, None, :], (*lead, nb))
-    part = core.Partial.from_logits(
+    part = core.PartialSoftmax.from_logits(
       s,
       keep,
       real,

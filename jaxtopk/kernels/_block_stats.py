@@ -52,7 +52,7 @@ class BlockStats:
       (-inf where the block has no real key for this query).
     denom: ``[b, h, q, n_blocks]`` float32 sum_{i in block} e^{s_i -
       max_logit} (0 where empty): the block's mass as a (max, sum) pair,
-      what ``core.Partial.from_stats`` takes.
+      what ``core.PartialSoftmax.from_stats`` takes.
     lse: ``[b, h, q, n_blocks]`` float32 log sum_{i in block} e^{s_i}
       (-inf where empty), for selection.
     count: ``[b, h, q, n_blocks]`` int32 real keys of the block visible to

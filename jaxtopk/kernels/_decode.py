@@ -20,7 +20,8 @@ DESIGN "one decode step"):
    R_s(j) <= log c + log Z_s (Delta-Search's rule, per split). If every
    split stops this way, tau <= U / (Z_H + U) <= e^t <= eps.
 3. The certificate comes from the core only: each split's statistics are a
-   ``core.Partial`` (``from_stats``), merged by ``Partial.reduce`` (split-K),
+   ``core.PartialSoftmax`` (``from_stats``), merged by
+   ``PartialSoftmax.reduce`` (split-K),
    with the unscored blocks' bounds added to the tail (``add_tail``), and
    ``finalize`` bounds tau by what was really scored, whatever the stopping
    decisions were.
@@ -254,10 +255,10 @@ def decode_certificate(out_parts, pl_, n_scored, value_norms, delta, n_terms):
   scored = _scored_blocks(pl_, n_scored, nb)  # [b, h, nb]
   cnt = pl_.count
   vnorm = jnp.repeat(value_norms, g, axis=1)  # [b, h, nb]
-  parts = core.Partial.from_stats(
+  parts = core.PartialSoftmax.from_stats(
     m, ell, o=o, err=err, logit_error=delta[..., None]
   )
-  head = core.Partial.reduce(parts, -1)
+  head = core.PartialSoftmax.reduce(parts, -1)
   k_kept = jnp.sum(jnp.where(scored, cnt, 0), axis=-1)
   head = dataclasses.replace(
     head,

@@ -13,8 +13,8 @@ The pipeline for a whole sequence of queries (THEORY 3.3, 6.1):
    core's ``online_step`` and returns the normalised output and the kept
    keys' (max, sum, rounding) statistics.
 4. The certificate comes from the certificate core only: the kept part and
-   every dropped block become ``core.Partial``s (``from_stats``), the
-   dropped blocks are merged by ``Partial.reduce`` and the head by
+   every dropped block become ``core.PartialSoftmax``s (``from_stats``), the
+   dropped blocks are merged by ``PartialSoftmax.reduce`` and the head by
    ``core.merge``, and ``finalize`` rounds up for the logits' own error
    (``core.logit_error_bound`` from per-block key summaries, subnormal
    inputs included) and the sums'.
@@ -310,7 +310,7 @@ def prefill_certificate(
     logits_ok = jnp.sum(stats.bad, axis=-1) == 0
   k_kept = jnp.sum(jnp.where(kept, cnt, 0), axis=-1)
   scored = k_kept if stats is None else jnp.sum(cnt, axis=-1) + k_kept
-  head = core.Partial.from_stats(
+  head = core.PartialSoftmax.from_stats(
     flash_stats.m,
     flash_stats.denom,
     o=out,
@@ -324,7 +324,7 @@ def prefill_certificate(
   )
   if stats is not None:
     dropped = (cnt > 0) & ~kept
-    tails = core.Partial.from_stats(
+    tails = core.PartialSoftmax.from_stats(
       stats.max_logit,
       jnp.where(dropped, stats.denom, 0.0),
       tail=True,
@@ -332,7 +332,7 @@ def prefill_certificate(
       head_norm=0.0,
       tail_norm=jnp.where(dropped, vnorm, 0.0),  # NaN: a broken value
     )
-    tail = core.Partial.reduce(tails, -1)
+    tail = core.PartialSoftmax.reduce(tails, -1)
     tail = dataclasses.replace(tail, o=jnp.zeros_like(head.o))
     head = core.merge(head, tail)
   o, cert = head.finalize(n_terms=n_terms)

@@ -380,7 +380,7 @@ def sparse_flash_stats_reference(
   block_q: int = 128,
   block_k: int = 128,
 ):
-  """Pure-jnp ``sparse_flash_stats`` (``core.Partial.from_logits``).
+  """Pure-jnp ``sparse_flash_stats`` (``core.PartialSoftmax.from_logits``).
 
   Returns:
     (output, lse, FlashStats) as ``sparse_flash_stats``.
@@ -419,7 +419,7 @@ def sparse_flash_stats_reference(
     block_q=block_q,
     block_k=block_k,
   )
-  part = core.Partial.from_logits(jax.lax.stop_gradient(s), keep, keep)
+  part = core.PartialSoftmax.from_logits(jax.lax.stop_gradient(s), keep, keep)
   stats = FlashStats(m=part.m, denom=part.denom, err=part.err)
   return o, lse, stats
 
@@ -547,7 +547,7 @@ class FlashStats:
     m: ``[b, h, q]`` max kept logit (-inf where nothing is kept).
     denom: ``[b, h, q]`` sum over kept keys of e^{s - m} (0 if none).
     err: ``[b, h, q]`` rounding of ``denom`` in eps units
-      (``core.online_step``), for ``core.Partial.from_stats``.
+      (``core.online_step``), for ``core.PartialSoftmax.from_stats``.
   """
 
   m: jax.Array

@@ -109,7 +109,7 @@ def library_attention(
   if needs_key and rng is None:
     raise ValueError(f"{policy} decodes with MC-Search: pass rng=")
   res = decode_attention(
-    query, cache, policy=policy, key=rng if needs_key else None
+    query, cache, policy=policy, rng=rng if needs_key else None
   )
   return res[0], res[-1]  # (output, Certificate): no residual asked for
 

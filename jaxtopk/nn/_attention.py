@@ -470,7 +470,7 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
         cache,
         policy=self.policy,
         implementation=self.implementation,
-        key=rng,
+        rng=rng,
       )
     else:
       # decode_attention takes no mask: attend over the whole cache with

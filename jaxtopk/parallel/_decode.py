@@ -7,7 +7,8 @@ head_dim]``) is sharded along ``max_len`` over the mesh's ``kv`` axis
 ``heads``. Each shard scores the new query against its slice (filled
 positions only: ``position < length``), the selection is global (exact
 global Top-k, or a global-eps certified threshold), and each shard's
-partial statistics (a ``core.Partial``) are merged by the certificate core,
+partial statistics (a ``core.PartialSoftmax``) are merged by the certificate
+core,
 as in ``_kv_sharded.py``: the output and certificate equal the
 single-device ones up to rounding (same kept set for count policies), and
 the certificate is global and sound.

@@ -14,12 +14,12 @@ shard:
    and of its max logit and non-finite flag;
 3. takes part in the global selection (``_global_select``): exact global
    top-k for count policies, a global-eps threshold for ``Certified``;
-4. summarises its keys as a ``core.Partial`` (normalised output over its
+4. summarises its keys as a ``core.PartialSoftmax`` (normalised output over its
    kept keys, head and tail masses with their own maxima, counts, value
    norms).
 
 One ``all_gather`` of the shards' Partials (``v_dim`` + 11 numbers per row
-and shard) and ``core.Partial.reduce`` merge them, and ``finalize`` gives
+and shard) and ``core.PartialSoftmax.reduce`` merge them, and ``finalize`` gives
 the output and the GLOBAL certificate (THEORY 2.1: the dropped mass of the
 whole row over its whole partition function). Nothing is estimated: every
 sum is a sum of the shards' own sums, so the certificate is sound whatever
@@ -242,7 +242,7 @@ def kv_shard_attention(
       preferred_element_type=dt,
     )
 
-  part = core.Partial.from_logits(
+  part = core.PartialSoftmax.from_logits(
     s,
     keep,
     valid,
@@ -253,7 +253,7 @@ def kv_shard_attention(
   )
   if axis_name is not None:
     parts = jax.tree.map(lambda x: lax.all_gather(x, axis_name), part)
-    part = core.Partial.reduce(parts, 0)
+    part = core.PartialSoftmax.reduce(parts, 0)
   out, cert = part.finalize(n_terms=n_total, scale_ok=checks.scale_ok(scale))
   out = out.astype(query.dtype)
   if return_keep:

@@ -4,7 +4,8 @@
 API that the attention, kernel, parallel and nn layers build on. So are
 ``select_rows`` (select on validated logits with a logit error bound),
 ``search_row_partial`` (one row of Delta- / MC-Search, returning a
-``core.Partial``), ``mc_log_mass_row`` (MC-Search's per-block mass bound),
+``core.PartialSoftmax``), ``mc_log_mass_row`` (MC-Search's per-block mass
+bound),
 ``box_abs_dot`` and ``box_upper_bound_dot`` (block-box
 bounds written as dot products), and ``jaxtopk.selection.threshold``
 (few-pass Top-k and budget thresholds, sharded or not, and the compaction of
@@ -46,6 +47,7 @@ from jaxtopk.selection._search import search_row_partial
 from jaxtopk.selection._select import Selection
 from jaxtopk.selection._select import check_policy
 from jaxtopk.selection._select import keep_mask
+from jaxtopk.selection._select import rng_argument
 from jaxtopk.selection._select import select
 from jaxtopk.selection._select import select_rows
 from jaxtopk.selection.threshold import budget_mask
@@ -81,6 +83,7 @@ __all__ = [
   "Policy",
   "PowerLaw",
   "Ratio",
+  "rng_argument",
   "search_row_partial",
   "SearchStrategy",
   "select",

@@ -139,6 +139,7 @@ def certified_search(
   mask=None,
   values=None,
   scale: float | None = None,
+  rng=None,
   key=None,
   use_ball: bool = True,
   projection=None,
@@ -175,7 +176,8 @@ def certified_search(
     mask: optional bool broadcastable to ``[..., n_keys]``, True = real key.
     values: optional ``[..., n_keys, d_v]`` for the output-error bound.
     scale: logit scale, default 1/sqrt(head_dim); > 0.
-    key: PRNG key, required for search='mc'.
+    rng: PRNG key, required for search='mc' (``key=`` is its deprecated
+      name: warns).
     use_ball: also use the ball bound (tighter, one more summary).
     projection: optional ``[..., head_dim, r]`` projection P for
       ``bound='lowrank'`` (broadcast over the leading axes; any P gives
@@ -186,8 +188,8 @@ def certified_search(
     A Selection with ``keep`` ``[..., n_keys]`` and a Certificate ``[...]``;
     tv_bound <= eps on every valid row unless ``max_topk`` caps it or the
     logit rounding is unbounded (for 'mc' with probability at least
-    ``1 - policy.delta``, recorded in ``failure_prob``). With no keys
-    (n_keys = 0) every row is invalid.
+    ``1 - policy.failure_prob``, recorded in the certificate's
+    ``failure_prob``). With no keys (n_keys = 0) every row is invalid.
 
   Raises:
     TypeError: if ``policy`` is not ``Certified``, or an input is not real
@@ -224,9 +226,10 @@ def certified_search(
     values = _select.check_logits(values, "values")
     if values.shape[:-1] != lead_n:
       raise ValueError(f"values must be [..., n_keys, d_v]; {values.shape=}")
-  if policy.search.needs_rng and key is None:
+  rng = _select.rng_argument(rng, key, "certified_search")
+  if policy.search.needs_rng and rng is None:
     raise ValueError(
-      f"Certified.search={policy.search!r} needs a PRNG key: pass key="
+      f"Certified.search={policy.search!r} needs a PRNG key: pass rng="
     )
   lowrank = isinstance(policy.bound, _strategies.LowRank)
   if projection is not None:
@@ -248,7 +251,7 @@ def certified_search(
       ) from None
   if n == 0:
     return _select._empty(jnp.zeros(lead_n, keys.dtype), values)
-  rng = jax.random.key(0) if key is None else key
+  rng = jax.random.key(0) if rng is None else rng
   return _certified_search(
     query,
     keys,

@@ -187,7 +187,7 @@ def lowrank_search_row(
 
   Returns:
     As ``_search.search_row_partial``, in the original key order; the
-    Partial's ``keys_scored`` includes ceil(n_real (r + 2) / d) for the
+    PartialSoftmax's ``keys_scored`` includes ceil(n_real (r + 2) / d) for the
     projected dot products and the per-key norms they read.
   """
   n, d = keys.shape

@@ -33,6 +33,7 @@ so a field is either honoured or refused by name on every path.
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -286,9 +287,6 @@ class PowerLaw(FixedCount):
     return jnp.ceil(self.alpha * nf**self.c * (1 - 1e-6))
 
 
-_LEGACY = ("block_size", "delta", "num_samples", "bound", "rank")
-
-
 @dataclasses.dataclass(frozen=True, init=False)
 class Certified(Policy):
   """Keep the fewest keys whose dropped mass is certified <= eps.
@@ -299,16 +297,21 @@ class Certified(Policy):
 
   Construction: ``Certified(eps)`` leaves the search to the backend
   (``Auto()``: the cheapest sound strategy it has for the inputs, the exact
-  search where it has no cheaper one); ``Certified(eps, search)`` with
-  ``search`` a strategy (``Exact()``, ``DeltaSearch(block_size, bound)``,
-  ``MCSearch(block_size, delta, num_samples)``, ``Auto()``) or its name,
-  'exact', 'delta', 'mc' or 'auto', with the strategy's fields as keywords:
-  ``Certified(0.05, 'delta', block_size=32)``, ``Certified(eps, 'delta',
-  bound='lowrank', rank=16)``, ``Certified(eps, 'delta', bound='codes')``,
-  ``Certified(0.01, 'mc', delta=0.05, num_samples=4)``. A named strategy is
-  always run as named. A keyword that the chosen search does not read
-  (``Certified(0.1, delta=0.05)``) is refused by name, as is a keyword given
-  next to a strategy object.
+  search where it has no cheaper one); ``Certified(eps, search)`` runs the
+  strategy ``search`` as given: ``Exact()``, ``DeltaSearch(block_size,
+  bound)`` (``Box()``, ``LowRank(rank)``, ``Codes()``),
+  ``MCSearch(block_size, failure_prob, num_samples)`` or ``Auto()``, e.g.
+  ``Certified(0.05, DeltaSearch(32, Codes()))``, ``Certified(0.01,
+  MCSearch(failure_prob=0.05, num_samples=4))``. A strategy's name is a
+  shorthand for its defaults: ``Certified(eps, 'delta')`` is
+  ``Certified(eps, DeltaSearch())``.
+
+  Deprecated (warns; removed in 0.3): the strategy's fields as keywords of
+  ``Certified`` (``block_size``, ``delta``, ``num_samples``, ``bound``,
+  ``rank``), e.g. ``Certified(0.05, 'delta', block_size=32)``; the warning
+  names the strategy object to pass instead. A keyword that the chosen
+  search does not read is refused by name, as is one next to a strategy
+  object.
 
   Attributes:
     eps: TV budget in (0, 1).
@@ -318,8 +321,8 @@ class Certified(Policy):
       scored logits and reports its true (larger) bound.
 
   Read-only views of the strategy's fields (None where the search has no
-  such field): ``block_size``, ``delta``, ``num_samples``, ``bound`` (a
-  ``KeyBound``), ``rank``; ``failure_prob`` (delta for MC-Search, else 0).
+  such field): ``block_size``, ``num_samples``, ``bound`` (a ``KeyBound``),
+  ``rank``; ``failure_prob`` (MC-Search's, else 0).
   """
 
   eps: float
@@ -347,7 +350,16 @@ class Certified(Policy):
       rank=rank,
     )
     given = {k: v for k, v in given.items() if v is not None}
-    _post(self, "search", _make_search(search, given))
+    made = _make_search(search, given)
+    if given:
+      warnings.warn(
+        f"Certified({', '.join(f'{k}=' for k in given)}...) is deprecated"
+        f" (removed in 0.3): pass the strategy, Certified({eps!r},"
+        f" {made!r})",
+        DeprecationWarning,
+        stacklevel=2,
+      )
+    _post(self, "search", made)
     if max_topk is not None:
       max_topk = as_int("Certified.max_topk", max_topk, minimum=1)
     _post(self, "max_topk", max_topk)
@@ -369,7 +381,14 @@ class Certified(Policy):
 
   @property
   def delta(self) -> float | None:
-    return getattr(self.search, "delta", None)
+    """Deprecated (warns; removed in 0.3): ``failure_prob``."""
+    warnings.warn(
+      "Certified.delta is deprecated (removed in 0.3): use"
+      " Certified.failure_prob",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return self.search.failure_prob if self.search.needs_rng else None
 
   @property
   def num_samples(self) -> int | None:
@@ -432,6 +451,8 @@ def _make_search(search, given) -> SearchStrategy:
   kw = {
     k: given[k] for k in ("block_size", "delta", "num_samples") if k in given
   }
+  if "delta" in kw:
+    kw["failure_prob"] = kw.pop("delta")
   if search != "delta":
     return _strategies.SEARCHES[search](**kw)
   bound = given.get("bound", "box")

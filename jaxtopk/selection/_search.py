@@ -12,7 +12,7 @@ Then, among the scored keys, the smallest kept set that still meets eps is
 found by the few-pass threshold search with U_unscored as fixed extra tail
 (``threshold.budget_mask``), capped at ``Certified.max_topk`` when given. The
 certificate is THEORY 3.3's blockwise bound of that kept set, built by the
-certificate core: a ``core.Partial`` of the scored keys with the unscored
+certificate core: a ``core.PartialSoftmax`` of the scored keys with the unscored
 blocks' bounds in its tail, rounded up for the float rounding of the scored
 logits (``core.logit_error_bound``, subnormal inputs included).
 
@@ -278,7 +278,8 @@ def search_row_partial(
   Returns:
     ``(logits, keep, scored, partial)``: ``[n]`` logits (0 where not
     scored), ``[n]`` bool kept and scored keys, and the row's
-    ``core.Partial`` (every scored key, plus the unscored blocks' bounds in
+    ``core.PartialSoftmax`` (every scored key, plus the unscored blocks' bounds
+    in
     its tail; ``keys_scored`` counts q.k products, MC samples and the
     block summaries included).
   """
@@ -307,7 +308,7 @@ def search_row_partial(
       rng,
       scale=scale,
       num_samples=search.num_samples,
-      delta=search.delta,
+      delta=search.failure_prob,
     )
     n_samp = search.num_samples * jnp.sum(cnt > 0).astype(jnp.int32)
   else:
@@ -326,7 +327,7 @@ def search_row_partial(
     max_topk=max_topk,
   )
   n_sc = jnp.sum(jnp.where(sblk, cnt, 0)).astype(jnp.int32)
-  part = core.Partial.from_logits(
+  part = core.PartialSoftmax.from_logits(
     buf,
     keep,
     scored,

@@ -12,6 +12,7 @@ and keys to skip blocks. The certificate comes from ``core``.
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +166,26 @@ def check_mask(mask, shape, name="mask") -> jax.Array:
     ) from None
 
 
+def rng_argument(rng, key, where: str):
+  """``rng``, or its deprecated name ``key=`` (warns; removed in 0.3).
+
+  ``key`` names the attention keys everywhere else; a PRNG key is ``rng``.
+  """
+  if key is None:
+    return rng
+  if rng is not None:
+    raise ValueError(
+      f"{where} got rng= and its deprecated name key=: pass rng= only"
+    )
+  warnings.warn(
+    f"{where}(key=...) is deprecated (removed in 0.3): pass the PRNG key"
+    " as rng=",
+    DeprecationWarning,
+    stacklevel=3,
+  )
+  return key
+
+
 def check_policy(policy, backend: str | None = None, supports=None):
   """``policy`` if it is a selection policy (else TypeError) that
   ``backend`` honours (``policy.require(backend, supports)``, when given).
@@ -179,7 +200,9 @@ def check_policy(policy, backend: str | None = None, supports=None):
   return policy
 
 
-def select(logits, policy, *, mask=None, values=None, key=None) -> Selection:
+def select(
+  logits, policy, *, mask=None, values=None, rng=None, key=None
+) -> Selection:
   """Chooses the kept keys of every row and certifies what was dropped.
 
   THEORY 6.1 (exact certified search by threshold, no sort), 6.5 (every
@@ -202,7 +225,8 @@ def select(logits, policy, *, mask=None, values=None, key=None) -> Selection:
     mask: optional bool broadcastable to ``logits``, True for a real key.
     values: optional ``[..., n_keys, d_v]``; when given, the certificate
       carries an output-error bound (THEORY 4.2/4.4).
-    key: unused (accepted for a uniform signature with random policies).
+    rng: unused (accepted for a uniform signature with random policies);
+      ``key=`` is its deprecated name (warns).
 
   Returns:
     Selection with ``keep`` ``[..., n_keys]``, ``k_kept`` ``[...]`` and a
@@ -221,7 +245,7 @@ def select(logits, policy, *, mask=None, values=None, key=None) -> Selection:
     >>> sel.keep.tolist(), int(sel.k_kept)
     ([True, False, True], 2)
   """
-  del key
+  rng_argument(rng, key, "select")  # unused: no policy here draws
   logits = check_logits(logits)
   check_policy(policy, "select", SUPPORTS)
   if mask is None:

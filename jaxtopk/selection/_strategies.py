@@ -37,6 +37,7 @@ themselves to capability checks through ``features`` (see
 
 import dataclasses
 import math
+import warnings
 
 import jax
 import numpy as np
@@ -257,37 +258,60 @@ class DeltaSearch(SearchStrategy):
       )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class MCSearch(SearchStrategy):
   """MC-Search: Hoeffding bounds on sampled block masses (THEORY 6.3).
 
-  The certificate holds with probability at least ``1 - delta``.
+  The certificate holds with probability at least ``1 - failure_prob``.
 
   Attributes:
     block_size: keys per block.
-    delta: failure probability in (0, 1).
+    failure_prob: probability in (0, 1) that the certificate fails (the
+      delta of THEORY 6.3). ``delta=`` is its deprecated name (warns;
+      removed in 0.3).
     num_samples: keys sampled per block, >= 1 (counted in keys_scored).
   """
 
   block_size: int = 64
-  delta: float = 0.01
+  failure_prob: float = 0.01  # type: ignore[assignment]
   num_samples: int = 8
   name = "mc"
 
-  def __post_init__(self):
+  def __init__(
+    self, block_size=64, failure_prob=None, num_samples=8, *, delta=None
+  ):
+    if delta is not None:
+      if failure_prob is not None:
+        raise ValueError(
+          f"MCSearch got failure_prob={failure_prob!r} and its deprecated"
+          f" name delta={delta!r}: pass failure_prob only"
+        )
+      warnings.warn(
+        "MCSearch(delta=...) is deprecated (removed in 0.3): use failure_prob=",
+        DeprecationWarning,
+        stacklevel=2,
+      )
+      failure_prob = delta
+    object.__setattr__(self, "block_size", block_size)
     self._check_block_size()
-    object.__setattr__(
-      self, "delta", as_float("MCSearch.delta", self.delta, low=0, high=1)
-    )
+    p = 0.01 if failure_prob is None else failure_prob
+    p = as_float("MCSearch.failure_prob", p, low=0, high=1)
+    object.__setattr__(self, "failure_prob", p)
     object.__setattr__(
       self,
       "num_samples",
-      as_int("MCSearch.num_samples", self.num_samples, minimum=1),
+      as_int("MCSearch.num_samples", num_samples, minimum=1),
     )
 
   @property
-  def failure_prob(self) -> float:
-    return self.delta
+  def delta(self) -> float:
+    """Deprecated (warns; removed in 0.3): ``failure_prob``."""
+    warnings.warn(
+      "MCSearch.delta is deprecated (removed in 0.3): use failure_prob",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return self.failure_prob
 
   @property
   def needs_rng(self) -> bool:

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import settings
 
 import jaxtopk
-from jaxtopk.attention import _index_search
+from jaxtopk.attention import _index_decode
 from jaxtopk.selection import key_codes
 from tests.theory import truth
 
@@ -139,12 +139,12 @@ class IndexSoundnessTest(parameterized.TestCase):
       extra = dict(delta=1e-6) if search == "mc" else {}
       if search == "codes":  # group bounds from the keys' 8-bit codes
         use = jnp.ones((B, 1, H), bool)
-        out, cert, kept = _index_search._codes_search(
+        out, cert, kept = _index_decode._codes_search(
           query, index, use, eps, scale=scale
         )
       else:
         pol = jaxtopk.Certified(eps, search, block_size=C, **extra)
-        out, cert, kept = _index_search._search_decode(
+        out, cert, kept = _index_decode._search_decode(
           query,
           index,
           jax.random.key(seed % 1000),

@@ -483,7 +483,7 @@ class PartialTest(parameterized.TestCase):
     for a, b in zip(cuts[:-1], cuts[1:], strict=True):
       vb = jnp.asarray(v[a:b])
       parts.append(
-        core.Partial.from_logits(
+        core.PartialSoftmax.from_logits(
           s[a:b],
           keep[a:b],
           real[a:b],
@@ -492,11 +492,11 @@ class PartialTest(parameterized.TestCase):
         )
       )
     if tree == "chain":
-      acc = core.Partial.empty((), d_v=3, norms=True)
+      acc = core.PartialSoftmax.empty((), d_v=3, norms=True)
       for p in parts:
         acc = core.merge(acc, p)
     else:
-      acc = core.Partial.reduce(
+      acc = core.PartialSoftmax.reduce(
         jax.tree.map(lambda *x: jnp.stack(x), *parts), 0
       )
     o, cert = acc.finalize(n_terms=9)
@@ -523,7 +523,7 @@ class PartialTest(parameterized.TestCase):
     s = np.zeros(12, np.float32)
     v = np.full((12, 2), 3e37, np.float32)
     parts = [
-      core.Partial.from_logits(
+      core.PartialSoftmax.from_logits(
         s[i : i + 4],
         np.ones(4, bool),
         np.ones(4, bool),
@@ -537,7 +537,7 @@ class PartialTest(parameterized.TestCase):
     np.testing.assert_allclose(o, 3e37, rtol=1e-6)
 
   def test_add_tail_and_empty(self):
-    p = core.Partial.from_logits(
+    p = core.PartialSoftmax.from_logits(
       np.array([0.0, -1.0], np.float32), np.array([True, False]), np.ones(2)
     )
     p = p.add_tail(np.array([-2.0, 5.0], np.float32), np.array([True, False]))
@@ -545,10 +545,12 @@ class PartialTest(parameterized.TestCase):
     want = (np.exp(-1.0) + np.exp(-2.0)) / (1 + np.exp(-1.0) + np.exp(-2.0))
     self.assertGreaterEqual(float(cert.tv_bound), want)
     self.assertLess(float(cert.tv_bound), want * 1.0001)
-    _, c0 = core.Partial.empty((2,)).finalize(n_terms=1)
+    _, c0 = core.PartialSoftmax.empty((2,)).finalize(n_terms=1)
     np.testing.assert_array_equal(c0.valid, [False, False])
     with self.assertRaisesRegex(ValueError, "both Partials"):
-      core.merge(core.Partial.empty(()), core.Partial.empty((), d_v=2))
+      core.merge(
+        core.PartialSoftmax.empty(()), core.PartialSoftmax.empty((), d_v=2)
+      )
 
   def test_partial_under_jit_vmap_and_grad(self):
     s = rand.normal(0, (3, 5, 7))
@@ -556,7 +558,7 @@ class PartialTest(parameterized.TestCase):
     keep = s > 0
 
     def out(s, keep):
-      p = core.Partial.from_logits(
+      p = core.PartialSoftmax.from_logits(
         s, keep, jnp.ones_like(keep), value_fn=lambda p: p @ v
       )
       return p.finalize(n_terms=7)[0]

@@ -40,7 +40,7 @@ class ValidationTest(parameterized.TestCase):
     ("certified_eps_nan", lambda: jaxtopk.Certified(np.nan), "eps=nan"),
     ("certified_search", lambda: jaxtopk.Certified(0.1, "bogus"), "bogus"),
     ("certified_search_type", lambda: jaxtopk.Certified(0.1, 3), "search=3"),
-    ("mc_delta", lambda: jaxtopk.Certified(0.1, "mc", delta=0.0), "delta"),
+    ("mc_failure_prob", lambda: MCSearch(failure_prob=0.0), "failure_prob=0"),
     ("mc_samples", lambda: MCSearch(num_samples=0), "num_samples=0"),
     ("block_size", lambda: DeltaSearch(block_size=0), "block_size=0"),
     ("rank", lambda: LowRank(0), "LowRank.rank=0"),
@@ -147,14 +147,12 @@ class StrategyTest(parameterized.TestCase):
     self.assertEqual(policy.block_size, want.block_size)
 
   def test_attribute_views(self):
-    mc = jaxtopk.Certified(0.01, "mc", 16, delta=0.05, num_samples=4)
-    self.assertEqual(
-      (mc.delta, mc.num_samples, mc.failure_prob), (0.05, 4, 0.05)
-    )
+    mc = jaxtopk.Certified(0.01, MCSearch(16, failure_prob=0.05, num_samples=4))
+    self.assertEqual((mc.num_samples, mc.failure_prob), (4, 0.05))
     self.assertIsNone(mc.bound)
     self.assertTrue(mc.search.needs_rng)
-    low = jaxtopk.Certified(0.1, "delta", bound="lowrank", rank=8)
-    self.assertEqual((low.bound, low.rank, low.delta), (LowRank(8), 8, None))
+    low = jaxtopk.Certified(0.1, DeltaSearch(bound=LowRank(8)))
+    self.assertEqual((low.bound, low.rank), (LowRank(8), 8))
     self.assertEqual(low.failure_prob, 0.0)
     ex = jaxtopk.Certified(0.1)
     self.assertTrue(ex.search.scores_all)  # exact where nothing cheaper
@@ -186,6 +184,34 @@ class StrategyTest(parameterized.TestCase):
       jaxtopk.selection.check_policy(value)
     ok = jaxtopk.Dense()
     self.assertIs(jaxtopk.selection.check_policy(ok), ok)
+
+  def test_strategy_keywords_are_deprecated_and_name_the_strategy(self):
+    with self.assertWarnsRegex(
+      DeprecationWarning, r"Certified\(0\.01, MCSearch\(block_size=16"
+    ):
+      old = jaxtopk.Certified(0.01, "mc", 16, delta=0.05, num_samples=4)
+    self.assertEqual(
+      old,
+      jaxtopk.Certified(0.01, MCSearch(16, failure_prob=0.05, num_samples=4)),
+    )
+    with self.assertWarnsRegex(DeprecationWarning, "failure_prob"):
+      self.assertEqual(MCSearch(delta=0.2), MCSearch(failure_prob=0.2))
+    with self.assertWarnsRegex(DeprecationWarning, "failure_prob"):
+      self.assertEqual(old.delta, 0.05)
+    with self.assertRaisesRegex(ValueError, "failure_prob=0.1.*delta=0.2"):
+      MCSearch(failure_prob=0.1, delta=0.2)
+
+  def test_rng_is_the_prng_argument_and_key_is_deprecated(self):
+    logits = jnp.array([3.0, 0.0, 2.0])
+    with self.assertWarnsRegex(DeprecationWarning, r"select\(key=.*rng="):
+      jaxtopk.select(logits, jaxtopk.FixedK(2), key=jax.random.key(0))
+    with self.assertRaisesRegex(ValueError, "rng= and its deprecated"):
+      jaxtopk.select(
+        logits, jaxtopk.FixedK(2), rng=jax.random.key(0), key=jax.random.key(0)
+      )
+    mc = jaxtopk.Certified(0.1, "mc")
+    with self.assertRaisesRegex(ValueError, "pass rng="):
+      jaxtopk.certified_search(jnp.ones(2), jnp.ones((3, 2)), policy=mc)
 
   def test_equal_policies_hash_alike_and_replace(self):
     a = jaxtopk.Certified(0.1, "delta", 32)

@@ -105,7 +105,8 @@ class ShardedAttentionTest(parameterized.TestCase):
     np.testing.assert_allclose(out, one_out, **tol(jnp.float32))
     np.testing.assert_array_equal(cert.k_kept, one_cert.k_kept)
     # Same kept set; the bounds differ only in rounding slack: each merge of
-    # per-shard partials adds its rescale slack (core.Partial.reduce, about
+    # per-shard partials adds its rescale slack (core.PartialSoftmax.reduce,
+    # about
     # |m_shard - m| / 2 eps per merge), so 4 shards round up a little more
     # than 1 (~2e-5 relative here).
     np.testing.assert_allclose(
