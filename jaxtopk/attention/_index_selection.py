@@ -331,12 +331,13 @@ def certify_selection(
   query = _check_query(query, index)
   static, dynamic = _split_scale(checks.check_scale(scale, index.head_dim))
   positions = _check_positions(positions, query, index)
-  # rounds as grow_selection's (no round runs): one compilation for both.
+  # rounds and eps's type as grow_selection's (no round runs): one
+  # compilation for both with max_groups=0.
   _, cert, _, _ = _selection(
     query,
     index,
     positions,
-    0.5,
+    jnp.float32(0.5),
     dynamic,
     scale=static,
     max_groups=0,

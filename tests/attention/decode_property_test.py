@@ -151,8 +151,10 @@ class DecodeSoundnessTest(parameterized.TestCase):
 
 
 class DecodeRegressionTest(parameterized.TestCase):
+  # The policies, shapes, scale and key of test_huge_values_do_not_overflow:
+  # its compiled programs.
   @parameterized.parameters(
-    jaxtopk.FixedK(2),
+    jaxtopk.FixedK(3),
     jaxtopk.Ratio(1 / 64),
     jaxtopk.Certified(0.05),
   )
@@ -163,15 +165,18 @@ class DecodeRegressionTest(parameterized.TestCase):
     s = np.full(n, -97.0, np.float32)
     s[:2] = 0.0
     k = np.zeros((n, D), np.float32)
-    k[:, 0] = s
+    k[:, 0] = 2 * s  # logits s at the default scale 1/sqrt(D) = 1/2
     cache = jaxtopk.KVCache.create(1, n, 1, D, block_size=BS)
     cache = cache.append(
       jnp.asarray(k)[None, :, None], jnp.asarray(k)[None, :, None]
     )
     q = jnp.asarray([1.0, 0.0, 0.0, 0.0])[None, None, None]
-    _, cert = jaxtopk.decode_attention(q, cache, policy=policy, scale=1.0)
+    _, cert = jaxtopk.decode_attention(
+      q, cache, policy=policy, key=jax.random.key(0)
+    )
     kept = int(cert.k_kept[0, 0, 0])
-    self.assertEqual(kept, 4 if isinstance(policy, jaxtopk.Ratio) else 2)
+    want = {jaxtopk.Ratio: 4, jaxtopk.FixedK: 3}.get(type(policy), 2)
+    self.assertEqual(kept, want)
     e = np.exp(-97.0)
     tau = (n - kept) * e / (2 + (n - 2) * e)
     self.assertTrue(bool(cert.valid[0, 0, 0]))
@@ -228,22 +233,19 @@ class DecodeRegressionTest(parameterized.TestCase):
 
   @parameterized.parameters("exact", "delta", "mc")
   def test_max_topk_caps_every_strategy(self, search):
-    n = 512
+    # Rows of ``_decode`` (delta: the program of POLICIES[3]).
     rng = np.random.default_rng(1)
-    k = jnp.asarray(0.1 * rng.normal(size=(2, n, 1, D)), jnp.float32)
-    cache = jaxtopk.KVCache.create(2, n, 1, D, block_size=BS)
-    cache = cache.append(k, k)
     kw = {} if search == "exact" else dict(block_size=BS)
     policy = jaxtopk.Certified(0.01, search, max_topk=4, **kw)
-    q = jnp.asarray(rng.normal(size=(2, 1, 3, D)), jnp.float32)
-    out, cert = jaxtopk.decode_attention(
-      q, cache, policy=policy, key=jax.random.key(0)
-    )
-    self.assertTrue(np.all(np.asarray(cert.k_kept) <= 4))
-    self.assertTrue(np.all(np.asarray(cert.k_kept) >= 1))
-    # Flat rows: 4 keys cannot meet eps; the row reports its true bound.
-    self.assertTrue(np.all(np.asarray(cert.tv_bound) > 0.01))
-    self.assertTrue(np.all(np.asarray(cert.valid)))
+    for _ in range(2):
+      k = np.float32(0.1 * rng.normal(size=(N, D)))
+      q = np.float32(rng.normal(size=(H, D)))
+      _, cert = _decode(q, k, N, policy, jnp.float32)
+      self.assertTrue(np.all(np.asarray(cert.k_kept) <= 4))
+      self.assertTrue(np.all(np.asarray(cert.k_kept) >= 1))
+      # Flat rows: 4 keys cannot meet eps; the row reports its true bound.
+      self.assertTrue(np.all(np.asarray(cert.tv_bound) > 0.01))
+      self.assertTrue(np.all(np.asarray(cert.valid)))
 
 
 if __name__ == "__main__":

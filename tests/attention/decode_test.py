@@ -53,15 +53,19 @@ class CacheTest(parameterized.TestCase):
   def test_rows_of_different_lengths(self):
     _, cache, k, _ = _filled_cache()
     np.testing.assert_array_equal(cache.length, LENGTHS)
-    cnt = cache.block_count()[:, 0]
+    cnt = np.asarray(cache.block_count())[:, 0]
     np.testing.assert_array_equal(cnt.sum(-1), LENGTHS)
+    # Sliced in numpy (each new jax slice compiles).
+    k, kmin, kmax, keys = map(
+      np.asarray, (k, cache.kmin, cache.kmax, cache.keys)
+    )
     for b, n in enumerate(LENGTHS):
       box = _blockwise.box_summary(k[b, :n].transpose(1, 0, 2), block_size=BS)
       nb = box.kmin.shape[1]
-      np.testing.assert_array_equal(cache.kmin[b, :, :nb], box.kmin)
-      np.testing.assert_array_equal(cache.kmax[b, :, :nb], box.kmax)
-      self.assertTrue(np.all(np.isinf(cache.kmin[b, :, nb:])))
-      np.testing.assert_array_equal(cache.keys[b, :, n:], 0.0)
+      np.testing.assert_array_equal(kmin[b, :, :nb], box.kmin)
+      np.testing.assert_array_equal(kmax[b, :, :nb], box.kmax)
+      self.assertTrue(np.all(np.isinf(kmin[b, :, nb:])))
+      np.testing.assert_array_equal(keys[b, :, n:], 0.0)
 
   def test_overflow_drops_and_saturates(self):
     cache = jaxtopk.KVCache.create(1, 32, 1, 3, block_size=16)
@@ -154,12 +158,15 @@ class DecodeTest(parameterized.TestCase):
     cache = cache.append(k, k)
     q = rand.normal(2, (1, 1, 1, D))
     topk = 200  # 200 of 1024: several tied groups straddle the threshold
-    idx, kept, thresh = _decode.topk_indices(
-      (cache.keys[0, 0] @ q[0, 0, 0]).astype(jnp.float32)[None],
-      jnp.array([topk]),
-      jnp.ones((1, N), bool),
-      256,
-    )
+    # Jitted: one program, not a hundred eager ops.
+    idx, kept, thresh = jax.jit(
+      lambda keys, q: _decode.topk_indices(
+        (keys[0, 0] @ q[0, 0, 0]).astype(jnp.float32)[None],
+        jnp.array([topk]),
+        jnp.ones((1, N), bool),
+        256,
+      )
+    )(cache.keys, q)
     self.assertEqual(len(set(np.asarray(idx[0][kept[0]]).tolist())), topk)
     _, cert = jaxtopk.decode_attention(
       q, cache, policy=jaxtopk.FixedK(topk), scale=1.0
@@ -191,15 +198,18 @@ class DecodeTest(parameterized.TestCase):
     self.assertTrue(np.all(cert.output_error_bound + 1e-5 >= err))
 
   def test_empty_row_is_zero_and_invalid(self):
-    cache = jaxtopk.KVCache.create(2, 64, 1, D, block_size=BS)
-    x = jnp.ones((1, 5, 1, D))
-    one = jaxtopk.KVCache.create(1, 64, 1, D, block_size=BS).append(x, x)
-    cache = jax.tree.map(lambda a, b: a.at[0].set(b[0]), cache, one)
-    q = jnp.ones((2, 1, 2, D))
-    for policy in (jaxtopk.FixedK(2), jaxtopk.Certified(0.1)):
+    # The shapes and policies of test_matches_topk_attention (its compiled
+    # programs), the last row empty.
+    _, _, k, v = _filled_cache()
+    cache = jaxtopk.KVCache.create(B, N, HKV, D, block_size=BS, value_dim=DV)
+    cache = cache.append(k, v, num_steps=jnp.array([N, 5, 0]))
+    q = jnp.ones((B, 1, H, D))
+    for policy in (jaxtopk.FixedK(5), jaxtopk.Certified(0.05, "exact")):
       out, cert = jaxtopk.decode_attention(q, cache, policy=policy)
-      np.testing.assert_array_equal(cert.valid[:, 0, 0], [True, False])
-      np.testing.assert_array_equal(out[1], 0.0)
+      np.testing.assert_array_equal(
+        cert.valid[:, 0], [[True] * H] * 2 + [[False] * H]
+      )
+      np.testing.assert_array_equal(out[2], 0.0)
 
   def test_query_norm_past_the_largest_float_keeps_its_certificate(self):
     # ||q|| = 4.2e38 overflows float32 while every logit is O(1): the large

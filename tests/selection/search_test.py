@@ -72,16 +72,17 @@ class SearchTest(parameterized.TestCase):
     # One key ~179 logits above the rest: e^{u_b - u_max} underflows in
     # float32 (CI once found MC returning NaN here). The bound must stay a
     # finite number >= the float64 truth (~1e-76), rounded up to tiny.
-    q = np.zeros((2, D), np.float32)
+    # (R rows, eps 0.01, values: test_sound_vs_float64's programs.)
+    q = np.zeros((R, D), np.float32)
     q[1, 0] = -20.0
-    k = np.full((2, N, D), 20.0, np.float32)
+    k = np.full((R, N, D), 20.0, np.float32)
     k[1, 0, 0] = 0.0
     policy = jaxtopk.Certified(0.01, search=search, block_size=BS)
     sel = jaxtopk.certified_search(
       q, k, policy=policy, values=k, key=jax.random.key(0)
     )
     cert = sel.certificate
-    tau = _truth(q, k, np.asarray(sel.keep), np.ones((2, N), bool), D**-0.5)
+    tau = _truth(q, k, np.asarray(sel.keep), np.ones((R, N), bool), D**-0.5)
     self.assertTrue(np.all(np.isfinite(cert.tv_bound)))
     self.assertTrue(np.all(np.asarray(cert.tv_bound, np.float64) >= tau))
     self.assertTrue(np.all(np.isfinite(cert.output_error_bound)))
