@@ -31,8 +31,10 @@ _CI_EXAMPLES = (
 )
 
 CODES = (
-  jaxtopk.Certified(0.05, "delta", bound="codes"),
-  jaxtopk.Certified(0.01, "delta", bound="codes", max_topk=4),
+  jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(bound=jaxtopk.Codes())),
+  jaxtopk.Certified(
+    0.01, jaxtopk.DeltaSearch(bound=jaxtopk.Codes()), max_topk=4
+  ),
 )
 
 

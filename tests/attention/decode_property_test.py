@@ -35,9 +35,9 @@ POLICIES = (
   jaxtopk.FixedK(3),  # Ratio shares this path (a traced per-row count)
   jaxtopk.Certified(0.05),
   jaxtopk.Certified(0.01, max_topk=4),
-  jaxtopk.Certified(0.01, "delta", block_size=BS, max_topk=4),
+  jaxtopk.Certified(0.01, jaxtopk.DeltaSearch(block_size=BS), max_topk=4),
   # A tiny failure probability: the check below may then be deterministic.
-  jaxtopk.Certified(0.05, "mc", block_size=BS, delta=1e-9),
+  jaxtopk.Certified(0.05, jaxtopk.MCSearch(block_size=BS, failure_prob=1e-9)),
 )
 
 
@@ -97,7 +97,7 @@ def _decode(q, k, length, policy, dtype):
     jnp.asarray(q, dtype)[None, None],
     cache,
     policy=policy,
-    key=jax.random.key(0),
+    rng=jax.random.key(0),
   )
 
 
@@ -172,7 +172,7 @@ class DecodeRegressionTest(parameterized.TestCase):
     )
     q = jnp.asarray([1.0, 0.0, 0.0, 0.0])[None, None, None]
     _, cert = jaxtopk.decode_attention(
-      q, cache, policy=policy, key=jax.random.key(0)
+      q, cache, policy=policy, rng=jax.random.key(0)
     )
     kept = int(cert.k_kept[0, 0, 0])
     want = {jaxtopk.Ratio: 4, jaxtopk.FixedK: 3}.get(type(policy), 2)
@@ -187,7 +187,7 @@ class DecodeRegressionTest(parameterized.TestCase):
     jaxtopk.Ratio(1 / 64),
     jaxtopk.Dense(),
     jaxtopk.Certified(0.05),
-    jaxtopk.Certified(0.05, "delta", block_size=BS),
+    jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(block_size=BS)),
   )
   def test_huge_values_do_not_overflow(self, policy):
     n = 256
@@ -197,7 +197,7 @@ class DecodeRegressionTest(parameterized.TestCase):
     cache = jaxtopk.KVCache.create(1, n, 1, D, block_size=BS)
     cache = cache.append(k, v)
     out, cert = jaxtopk.decode_attention(
-      jnp.ones((1, 1, 1, D)), cache, policy=policy, key=jax.random.key(0)
+      jnp.ones((1, 1, 1, D)), cache, policy=policy, rng=jax.random.key(0)
     )
     self.assertTrue(bool(cert.valid[0, 0, 0]))
     np.testing.assert_allclose(out[0, 0, 0], 3e37, rtol=1e-5)

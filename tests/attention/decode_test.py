@@ -182,9 +182,10 @@ class DecodeTest(parameterized.TestCase):
   def test_search_sound_and_skips_blocks(self, search):
     _, cache, k, v = _filled_cache(clustered=True)
     q = rand.normal(7, (B, 1, H, D))
-    policy = jaxtopk.Certified(0.05, search=search, block_size=BS)
+    strategy = {"delta": jaxtopk.DeltaSearch, "mc": jaxtopk.MCSearch}[search]
+    policy = jaxtopk.Certified(0.05, strategy(BS))
     out, cert = jaxtopk.decode_attention(
-      q, cache, policy=policy, key=jax.random.key(1)
+      q, cache, policy=policy, rng=jax.random.key(1)
     )
     self.assertTrue(np.all(cert.tv_bound <= 0.05))
     n_real = np.array(LENGTHS)[:, None, None]
@@ -225,7 +226,9 @@ class DecodeTest(parameterized.TestCase):
     cache = jaxtopk.KVCache.create(1, n, 1, 4, block_size=4, value_dim=3)
     cache = cache.append(jnp.asarray(k), jnp.asarray(v))
     out, cert = jaxtopk.decode_attention(
-      jnp.asarray(q), cache, policy=jaxtopk.Certified(0.1, "delta", 4)
+      jnp.asarray(q),
+      cache,
+      policy=jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=4)),
     )
     self.assertTrue(bool(cert.valid[0, 0, 0]))
     # Every key kept: the certificate says so (it was tv 1, error +inf).
@@ -244,13 +247,17 @@ class DecodeTest(parameterized.TestCase):
     ("block", dict(policy=jaxtopk.Certified(0.1, "delta")), ValueError, "64"),
     (
       "lowrank",
-      dict(policy=jaxtopk.Certified(0.1, "delta", BS, bound="lowrank")),
+      dict(
+        policy=jaxtopk.Certified(
+          0.1, jaxtopk.DeltaSearch(block_size=BS, bound=jaxtopk.LowRank())
+        )
+      ),
       ValueError,
       "box",
     ),
     (
       "mc_key",
-      dict(policy=jaxtopk.Certified(0.1, "mc", BS)),
+      dict(policy=jaxtopk.Certified(0.1, jaxtopk.MCSearch(block_size=BS))),
       ValueError,
       "key",
     ),

@@ -22,7 +22,7 @@ DENSE = ("dense", jaxtopk.Dense())
 FIXED_K = ("fixed_k", jaxtopk.FixedK(3))
 CERTIFIED = ("certified", jaxtopk.Certified(0.1))
 # The block-search engine (the others score every key).
-DELTA = ("delta", jaxtopk.Certified(0.1, "delta", block_size=4))
+DELTA = ("delta", jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=4)))
 Q_LENS = np.array([3, 5], np.int32)
 KV_LENS = np.array([11, 6], np.int32)
 WINDOW = (2, 1)

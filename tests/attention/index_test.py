@@ -145,14 +145,18 @@ class IndexSoundnessTest(parameterized.TestCase):
     q64 = truth.as64(query)[:, 0]  # [b, h, d]
     scale = 1 / np.sqrt(D)
     for search in ("delta", "mc", "codes"):
-      extra = dict(delta=1e-6) if search == "mc" else {}
       if search == "codes":  # group bounds from the keys' 8-bit codes
         use = jnp.ones((B, 1, H), bool)
         out, cert, kept = _index_decode._codes_search(
           query, index, use, eps, scale=scale
         )
       else:
-        pol = jaxtopk.Certified(eps, search, block_size=C, **extra)
+        strategy = (
+          jaxtopk.MCSearch(C, failure_prob=1e-6)
+          if search == "mc"
+          else jaxtopk.DeltaSearch(C)
+        )
+        pol = jaxtopk.Certified(eps, strategy)
         out, cert, kept = _index_decode._search_decode(
           query,
           index,
@@ -307,7 +311,7 @@ class IndexTest(parameterized.TestCase):
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     rebuilt = grown.rebuild()
     np.testing.assert_array_equal(rebuilt.count.sum(-1), [[N], [N]])
-    pol = jaxtopk.Certified(0.1, "delta", block_size=C)
+    pol = jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=C))
     for idx in (fresh, grown, rebuilt):
       _, cert = jaxtopk.decode_attention(q, idx, policy=pol)
       self.assertTrue(np.all(cert.valid))
@@ -385,7 +389,7 @@ class IndexTest(parameterized.TestCase):
   def test_search_skips_groups_on_clustered_keys(self):
     k, v, q = _clustered(seed=11)
     index = _index(k, v, jnp.array([N, N]), jnp.float32)
-    pol = jaxtopk.Certified(0.5, "delta", block_size=C)
+    pol = jaxtopk.Certified(0.5, jaxtopk.DeltaSearch(block_size=C))
     _, cert = jaxtopk.decode_attention(q, index, policy=pol)
     self.assertTrue(np.all(cert.valid))
     self.assertLess(float(np.mean(cert.k_kept)), N)
@@ -405,7 +409,7 @@ class IndexTest(parameterized.TestCase):
   def test_bad_arguments(self):
     k, v, q = _clustered()
     index = _index(k, v, None, jnp.float32)
-    mc = jaxtopk.Certified(0.1, "mc", block_size=C)
+    mc = jaxtopk.Certified(0.1, jaxtopk.MCSearch(block_size=C))
     with self.assertRaisesRegex(ValueError, "PRNG key"):
       jaxtopk.decode_attention(q, index, policy=mc)
     with self.assertRaisesRegex(ValueError, "implementation"):
@@ -427,7 +431,7 @@ class IndexTest(parameterized.TestCase):
     k, v, q = _clustered(n=1)
     index = jaxtopk.IndexedKVCache.build(k, v, group_size=C)
     for pol in (
-      jaxtopk.Certified(0.1, "delta", block_size=C),
+      jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=C)),
       jaxtopk.Dense(),
     ):
       out, cert = jaxtopk.decode_attention(q, index, policy=pol)
@@ -439,7 +443,7 @@ class IndexTest(parameterized.TestCase):
   def test_jit_and_pytree(self):
     k, v, q = _clustered()
     index = _index(k, v, None, jnp.float32)
-    pol = jaxtopk.Certified(0.1, "delta", block_size=C)
+    pol = jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=C))
     f = jax.jit(lambda q, i: jaxtopk.decode_attention(q, i, policy=pol))
     o1, c1 = f(q, index)
     o2, c2 = jaxtopk.decode_attention(q, index, policy=pol)
@@ -522,7 +526,7 @@ class IndexAuditTest(parameterized.TestCase):
     for pol in (
       jaxtopk.Dense(),
       jaxtopk.FixedK(5),
-      jaxtopk.Certified(0.05, "delta", block_size=C),
+      jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(block_size=C)),
     ):
       out, cert = jaxtopk.decode_attention(q, index, policy=pol)
       want, _ = jaxtopk.decode_attention(q, cache, policy=jaxtopk.Dense())
@@ -591,7 +595,7 @@ class IndexAuditTest(parameterized.TestCase):
     k, v, q = _clustered()
     index = _index(k, v, None, jnp.float32)
     pos = _padded(np.zeros((B, 1, 1, 2), np.int32))
-    delta = jaxtopk.Certified(0.1, "delta", block_size=C)
+    delta = jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=C))
     calls = {
       "dense": lambda s: jaxtopk.decode_attention(
         q, index, policy=jaxtopk.Dense(), scale=s

@@ -25,8 +25,10 @@ POLICIES = (
   jaxtopk.FixedK(3),
   jaxtopk.Ratio(1 / 8),
   jaxtopk.Certified(0.05, max_topk=6),
-  jaxtopk.Certified(0.05, "delta", block_size=BS, max_topk=4),
-  jaxtopk.Certified(0.05, "mc", block_size=BS, delta=1e-9, max_topk=6),
+  jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(block_size=BS), max_topk=4),
+  jaxtopk.Certified(
+    0.05, jaxtopk.MCSearch(block_size=BS, failure_prob=1e-9), max_topk=6
+  ),
 )
 
 
@@ -52,23 +54,25 @@ class MultiQueryTest(parameterized.TestCase):
   def test_rows_against_float64(self, policy):
     q, k, cache = _data()
     result = jaxtopk.decode_attention(
-      q, cache, policy=policy, key=jax.random.key(0), return_residual=True
+      q, cache, policy=policy, rng=jax.random.key(0), return_residual=True
     )
     self._check_rows(policy, q, k, *result)
 
   @parameterized.parameters(
     *POLICIES[:3],
     jaxtopk.Certified(0.05),  # Auto: the exact search on a small index
-    jaxtopk.Certified(0.05, "delta", block_size=BS),
-    jaxtopk.Certified(0.05, "delta", block_size=BS, bound="codes"),
-    jaxtopk.Certified(0.05, "mc", block_size=BS, delta=1e-9),
+    jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(block_size=BS)),
+    jaxtopk.Certified(
+      0.05, jaxtopk.DeltaSearch(block_size=BS, bound=jaxtopk.Codes())
+    ),
+    jaxtopk.Certified(0.05, jaxtopk.MCSearch(block_size=BS, failure_prob=1e-9)),
   )
   def test_index_rows_against_float64(self, policy):
     # The content index's group searches take max_topk on no path.
     q, k, cache = _data()
     index = jaxtopk.IndexedKVCache.from_cache(cache, group_size=BS)
     result = jaxtopk.decode_attention(
-      q, index, policy=policy, key=jax.random.key(0), return_residual=True
+      q, index, policy=policy, rng=jax.random.key(0), return_residual=True
     )
     self._check_rows(policy, q, k, *result)
 

@@ -45,8 +45,8 @@ _vals = st.one_of(
 # (Dense and fixed counts share the scan-all engine of Certified(0.05).)
 POLICIES = (
   jaxtopk.Certified(0.05),
-  jaxtopk.Certified(0.2, search="delta", block_size=3),
-  jaxtopk.Certified(0.05, search="delta", block_size=3, max_topk=3),
+  jaxtopk.Certified(0.2, jaxtopk.DeltaSearch(block_size=3)),
+  jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(block_size=3), max_topk=3),
 )
 
 
@@ -145,7 +145,7 @@ class BlockwiseBehaviourTest(parameterized.TestCase):
     k = jnp.zeros((1, S, HKV, D))
     mask = np.zeros((1, 1, T, S), bool)
     mask[0, 0, 4, [0, 3, 6]] = True
-    policy = jaxtopk.Certified(0.2, search="delta", block_size=3)
+    policy = jaxtopk.Certified(0.2, jaxtopk.DeltaSearch(block_size=3))
     _, cert, keep = _topk.xla_topk_attention_with_keep(
       q, k, k, policy=policy, mask=mask, block_sizes=SMALL
     )
@@ -163,7 +163,7 @@ class BlockwiseBehaviourTest(parameterized.TestCase):
       size=(1, 64, 1, 16)
     )
     q = 8.0 * np.broadcast_to(c[1], (1, 6, 1, 16))
-    policy = jaxtopk.Certified(0.05, search="delta", block_size=4)
+    policy = jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(block_size=4))
     out, cert = jaxtopk.topk_attention(
       jnp.asarray(q, jnp.float32),
       jnp.asarray(k, jnp.float32),

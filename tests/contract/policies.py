@@ -19,24 +19,33 @@ POLICIES = (
   ("fixed_k", jaxtopk.FixedK(3)),
   ("ratio", jaxtopk.Ratio(0.4)),
   ("power_law", jaxtopk.PowerLaw(1.2, 0.5)),
-  ("cert_exact", jaxtopk.Certified(0.1, block_size=BLOCK)),
-  ("cert_exact_cap", jaxtopk.Certified(0.02, block_size=BLOCK, max_topk=4)),
-  ("cert_delta", jaxtopk.Certified(0.1, "delta", block_size=BLOCK)),
+  ("cert_exact", jaxtopk.Certified(0.1, jaxtopk.Auto(block_size=BLOCK))),
+  (
+    "cert_exact_cap",
+    jaxtopk.Certified(0.02, jaxtopk.Auto(block_size=BLOCK), max_topk=4),
+  ),
+  ("cert_delta", jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=BLOCK))),
   (
     "cert_delta_cap",
-    jaxtopk.Certified(0.05, "delta", block_size=BLOCK, max_topk=4),
+    jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(block_size=BLOCK), max_topk=4),
   ),
   (
     "cert_lowrank",
-    jaxtopk.Certified(0.1, "delta", block_size=BLOCK, bound="lowrank", rank=2),
+    jaxtopk.Certified(
+      0.1, jaxtopk.DeltaSearch(block_size=BLOCK, bound=jaxtopk.LowRank(2))
+    ),
   ),
   (
     "cert_codes",
-    jaxtopk.Certified(0.1, "delta", block_size=BLOCK, bound="codes"),
+    jaxtopk.Certified(
+      0.1, jaxtopk.DeltaSearch(block_size=BLOCK, bound=jaxtopk.Codes())
+    ),
   ),
   (
     "cert_mc",
-    jaxtopk.Certified(0.1, "mc", block_size=BLOCK, delta=0.05, num_samples=2),
+    jaxtopk.Certified(
+      0.1, jaxtopk.MCSearch(block_size=BLOCK, failure_prob=0.05, num_samples=2)
+    ),
   ),
 )
 

@@ -49,10 +49,10 @@ def _paths():
   index = jaxtopk.IndexedKVCache.build(k, v, group_size=BS)
   pos = jnp.zeros((B, 1, 1, 3), jnp.int32)
   key = jax.random.key(0)
-  delta = jaxtopk.Certified(0.1, "delta", block_size=BS)
-  mc = jaxtopk.Certified(0.1, "mc", block_size=BS, num_samples=2)
+  delta = jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=BS))
+  mc = jaxtopk.Certified(0.1, jaxtopk.MCSearch(block_size=BS, num_samples=2))
   lowrank = jaxtopk.Certified(
-    0.1, "delta", block_size=BS, bound="lowrank", rank=2
+    0.1, jaxtopk.DeltaSearch(block_size=BS, bound=jaxtopk.LowRank(2))
   )
   rows_q = q.reshape(-1, D)
   rows_k = jnp.broadcast_to(k[0, :, 0], (rows_q.shape[0], N, D))
@@ -61,7 +61,7 @@ def _paths():
   for name, pol in (
     ("dense", jaxtopk.Dense()),
     ("fixed_k", jaxtopk.FixedK(3)),
-    ("exact", jaxtopk.Certified(0.1, block_size=BS)),
+    ("exact", jaxtopk.Certified(0.1, jaxtopk.Auto(block_size=BS))),
     ("delta", delta),
   ):
     paths[f"topk_attention_{name}"] = lambda pol=pol: jaxtopk.topk_attention(
@@ -69,29 +69,29 @@ def _paths():
     )
   for name, pol in (
     ("fixed_k", jaxtopk.FixedK(3)),
-    ("exact", jaxtopk.Certified(0.1, block_size=BS)),
+    ("exact", jaxtopk.Certified(0.1, jaxtopk.Auto(block_size=BS))),
     ("delta", delta),
     ("mc", mc),
   ):
     paths[f"decode_kvcache_{name}"] = lambda pol=pol: jaxtopk.decode_attention(
-      q1, cache, policy=pol, key=key
+      q1, cache, policy=pol, rng=key
     )
     paths[f"decode_index_{name}"] = lambda pol=pol: jaxtopk.decode_attention(
-      q1, index, policy=pol, key=key
+      q1, index, policy=pol, rng=key
     )
   paths["certify_selection"] = lambda: jaxtopk.certify_selection(q1, index, pos)
   paths["grow_selection"] = lambda: jaxtopk.grow_selection(
     q1, index, pos, eps=0.1
   )
   for name, pol in (
-    ("exact", jaxtopk.Certified(0.1, block_size=BS)),
+    ("exact", jaxtopk.Certified(0.1, jaxtopk.Auto(block_size=BS))),
     ("delta", delta),
     ("mc", mc),
     ("lowrank", lowrank),
   ):
     paths[f"certified_search_{name}"] = lambda pol=pol: (
       jaxtopk.certified_search(
-        rows_q, rows_k, policy=pol, values=rows_v, key=key
+        rows_q, rows_k, policy=pol, values=rows_v, rng=key
       )
     )
   logits = jnp.einsum("rd,rnd->rn", rows_q, rows_k, precision=core.PRECISION)

@@ -36,7 +36,7 @@ def _paths():
   cache = cache.append(k, v)
   index = jaxtopk.IndexedKVCache.build(k, v, group_size=4)
   pos = np.zeros((1, 1, 1, 1), np.int32)
-  delta = jaxtopk.Certified(0.1, "delta", block_size=4)
+  delta = jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=4))
   mesh = parallel.make_mesh({"kv": 1})
   return {
     "topk_attention": lambda s: jaxtopk.topk_attention(

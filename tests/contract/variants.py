@@ -182,7 +182,7 @@ def _step0_decode(q, cache, policy):
   later = jnp.zeros((b * t, _STEPS - 1, h, d), q.dtype)
   qs = jnp.concatenate([q.reshape(b * t, 1, h, d), later], axis=1)
   out, cert = jaxtopk.decode_attention(
-    qs, cache, policy=policy, key=jax.random.key(0)
+    qs, cache, policy=policy, rng=jax.random.key(0)
   )
   out = out[:, 0].reshape(b, t, h, -1)
   return out, jax.tree.map(lambda x: x[:, 0].reshape(b, t, h), cert)
@@ -202,7 +202,7 @@ def _decode(implementation):
         cache,
         policy=policy,
         implementation=implementation,
-        key=jax.random.key(0),
+        rng=jax.random.key(0),
       )
       out = out.reshape(b, t, h, e)
       cert = jax.tree.map(lambda x: x.reshape(b, t, h), cert)
@@ -500,7 +500,7 @@ def _index_decode(appends):
       kk, vv, length = _rows_first(k, v, mask)
       index = _index_of(kk, vv, length, bs, appends)
       out, cert = jaxtopk.decode_attention(
-        q.reshape(b * t, 1, h, d), index, policy=policy, key=jax.random.key(0)
+        q.reshape(b * t, 1, h, d), index, policy=policy, rng=jax.random.key(0)
       )
       return _flat_rows(q, out, cert)
 
@@ -601,7 +601,7 @@ def _cache_appends(policy, dtype):
       steps = jnp.clip(length - lo, 0, hi - lo)
       cache = cache.append(kk[:, lo:hi], vv[:, lo:hi], num_steps=steps)
     out, cert = jaxtopk.decode_attention(
-      q.reshape(b * t, 1, h, d), cache, policy=policy, key=jax.random.key(0)
+      q.reshape(b * t, 1, h, d), cache, policy=policy, rng=jax.random.key(0)
     )
     return _flat_rows(q, out, cert)
 

@@ -66,7 +66,9 @@ class PallasTopkAttentionTest(base.KernelTestCase):
   def test_certified_policy_agrees_with_xla_within_bounds(self):
     q, k, v, mask = self._inputs()
     eps = 0.05
-    kw = dict(policy=jaxtopk.Certified(eps, block_size=32), mask=mask)
+    kw = dict(
+      policy=jaxtopk.Certified(eps, jaxtopk.Auto(block_size=32)), mask=mask
+    )
     ox, cx = jaxtopk.topk_attention(q, k, v, **kw)
     op, cp = jaxtopk.topk_attention(q, k, v, implementation="pallas", **kw)
     self.assertEqual(cp.shape, cx.shape)
@@ -160,7 +162,7 @@ class PallasDecodeAttentionTest(base.KernelTestCase):
   @pytest.mark.slow
   def test_certified_agrees_with_xla_within_bounds(self):
     q, cache = self._cache()
-    pol = jaxtopk.Certified(0.05, search="delta", block_size=16)
+    pol = jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(block_size=16))
     ox, cx = jaxtopk.decode_attention(q, cache, policy=pol)
     op, cp = jaxtopk.decode_attention(
       q, cache, policy=pol, implementation="pallas"

@@ -188,7 +188,7 @@ class DecoderTest(parameterized.TestCase):
 
   def test_delta_search_decode_uses_the_policy_block_size(self):
     model, tokens = _model_and_tokens()
-    policy = jaxtopk.Certified(0.1, search="delta", block_size=4)
+    policy = jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=4))
     out, certs = _decode(model, tokens, policy)
     self.assertEqual(out.shape, (BATCH, SEQ - PROMPT, 13))
     self.assertTrue(bool(jnp.all(certs[0].tv_bound <= 0.1)))

@@ -72,7 +72,9 @@ class GenerateTest(absltest.TestCase):
     self.assertTrue(bool(jnp.any(mixed[1].tv_bound[:, PROMPT:] > 0)))
 
   def test_mc_search_decode_states_its_failure_probability(self):
-    policy = jaxtopk.Certified(0.1, "mc", block_size=4, delta=0.02)
+    policy = jaxtopk.Certified(
+      0.1, jaxtopk.MCSearch(block_size=4, failure_prob=0.02)
+    )
     _, certs = models.generate(
       _model(),
       _prompt(),

@@ -30,7 +30,10 @@ POLICIES = (
   ("ratio", jaxtopk.Ratio(0.4)),
   ("power_law", jaxtopk.PowerLaw(1.0, 0.5)),
   ("certified_exact", jaxtopk.Certified(0.1)),
-  ("certified_delta", jaxtopk.Certified(0.05, search="delta", block_size=3)),
+  (
+    "certified_delta",
+    jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(block_size=3)),
+  ),
   ("dense", jaxtopk.Dense()),
 )
 
@@ -188,8 +191,11 @@ class DecodeSoundnessTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
     ("fixed_k", jaxtopk.FixedK(3)),
-    ("certified_delta", jaxtopk.Certified(0.05, search="delta", block_size=4)),
-    ("certified_mc", jaxtopk.Certified(0.05, search="mc", block_size=4)),
+    (
+      "certified_delta",
+      jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(block_size=4)),
+    ),
+    ("certified_mc", jaxtopk.Certified(0.05, jaxtopk.MCSearch(block_size=4))),
   )
   @pytest.mark.slow
   def test_decode_certificates_are_sound(self, policy):

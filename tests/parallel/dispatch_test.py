@@ -58,7 +58,7 @@ class ShardedDispatchTest(absltest.TestCase):
         q[:, :1], cache, policy=policy, implementation="sharded"
       )
       # Delta-Search is refused by name; the XLA decode takes it.
-      delta = jaxtopk.Certified(0.1, "delta", block_size=4)
+      delta = jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=4))
       with self.assertRaisesRegex(
         jaxtopk.UnsupportedPolicyError, "implementation='sharded'"
       ):

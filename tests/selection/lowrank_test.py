@@ -46,7 +46,7 @@ _vals = st.one_of(
 
 def _policy(eps, rank, bs=BS):
   return jaxtopk.Certified(
-    eps, search="delta", block_size=bs, bound="lowrank", rank=rank
+    eps, jaxtopk.DeltaSearch(block_size=bs, bound=jaxtopk.LowRank(rank))
   )
 
 
@@ -146,7 +146,7 @@ class LowRankSearchTest(parameterized.TestCase):
     # Keys on a 3-dim subspace of 13 dims: boxes are loose, rank 3 is tight.
     k = _low_rank_keys(2, 4, 512, 13, 3)
     q = np.asarray(rand.normal(3, (4, 13)))
-    box = jaxtopk.Certified(eps, search="delta", block_size=bs)
+    box = jaxtopk.Certified(eps, jaxtopk.DeltaSearch(block_size=bs))
     low = _policy(eps, 3, bs=bs)
     n_box = jaxtopk.certified_search(q, k, policy=box).certificate
     sel = jaxtopk.certified_search(q, k, policy=low)

@@ -15,6 +15,11 @@ from jaxtopk.selection import _search
 from tests import rand
 
 R, N, D, BS = 3, 40, 5, 8  # rows, keys (ragged last block), dim, block
+_STRATEGY = {
+  "exact": jaxtopk.Exact,
+  "delta": jaxtopk.DeltaSearch,
+  "mc": jaxtopk.MCSearch,
+}
 
 
 def _truth(q, k, keep, mask, scale):
@@ -48,9 +53,9 @@ class SearchTest(parameterized.TestCase):
     eps=st.sampled_from([0.01, 0.2]),
   )
   def test_sound_vs_float64(self, q, k, mask, search, eps):
-    policy = jaxtopk.Certified(eps, search=search, block_size=BS)
+    policy = jaxtopk.Certified(eps, _STRATEGY[search](BS))
     sel = jaxtopk.certified_search(
-      q, k, policy=policy, mask=mask, values=k, key=jax.random.key(0)
+      q, k, policy=policy, mask=mask, values=k, rng=jax.random.key(0)
     )
     cert = sel.certificate
     keep = np.asarray(sel.keep)
@@ -77,9 +82,9 @@ class SearchTest(parameterized.TestCase):
     q[1, 0] = -20.0
     k = np.full((R, N, D), 20.0, np.float32)
     k[1, 0, 0] = 0.0
-    policy = jaxtopk.Certified(0.01, search=search, block_size=BS)
+    policy = jaxtopk.Certified(0.01, _STRATEGY[search](BS))
     sel = jaxtopk.certified_search(
-      q, k, policy=policy, values=k, key=jax.random.key(0)
+      q, k, policy=policy, values=k, rng=jax.random.key(0)
     )
     cert = sel.certificate
     tau = _truth(q, k, np.asarray(sel.keep), np.ones((R, N), bool), D**-0.5)
@@ -98,12 +103,12 @@ class SearchTest(parameterized.TestCase):
     k = _clustered(0, 4, 512, 8)
     q = 2 * np.asarray(rand.normal(1, (4, 8)))
     mc = dict(num_samples=4) if search == "mc" else {}
-    policy = jaxtopk.Certified(eps, search=search, block_size=bs, **mc)
-    sel = jaxtopk.certified_search(q, k, policy=policy, key=jax.random.key(2))
+    policy = jaxtopk.Certified(eps, _STRATEGY[search](bs, **mc))
+    sel = jaxtopk.certified_search(q, k, policy=policy, rng=jax.random.key(2))
     frac = np.asarray(sel.certificate.keys_scored) / 512
     self.assertLess(float(frac.mean()), 0.5)
     exact = jaxtopk.certified_search(
-      q, k, policy=jaxtopk.Certified(eps, block_size=bs)
+      q, k, policy=jaxtopk.Certified(eps, jaxtopk.Auto(block_size=bs))
     )
     np.testing.assert_array_equal(exact.certificate.keys_scored, 512)
     self.assertTrue(np.all(sel.certificate.tv_bound <= eps))
@@ -114,12 +119,12 @@ class SearchTest(parameterized.TestCase):
     k = _clustered(3, r, n, 8, spread=1.0)
     q = 2 * np.asarray(rand.normal(4, (r, 8)))
     policy = jaxtopk.Certified(
-      0.05, search="mc", block_size=16, delta=0.05, num_samples=4
+      0.05, jaxtopk.MCSearch(block_size=16, failure_prob=0.05, num_samples=4)
     )
     fails = 0
     for trial in range(3):
       sel = jaxtopk.certified_search(
-        q, k, policy=policy, key=jax.random.key(10 + trial)
+        q, k, policy=policy, rng=jax.random.key(10 + trial)
       )
       tau = _truth(
         q, k, np.asarray(sel.keep), np.ones((r, n), bool), 1 / 8**0.5
@@ -198,7 +203,7 @@ class AdversarialSearchTest(parameterized.TestCase):
       k,
       policy=jaxtopk.Certified(0.45, **kw),
       scale=1.0,
-      key=jax.random.key(0),
+      rng=jax.random.key(0),
     )
     cert = sel.certificate
     tau = _tau_ld(q, k, np.asarray(sel.keep), np.ones((1, 2), bool), 1.0)
@@ -218,7 +223,7 @@ class AdversarialSearchTest(parameterized.TestCase):
       k[:, 4 * b : 4 * b + 2] = a
       k[:, 4 * b + 2 : 4 * b + 4] = -a
     policy = jaxtopk.Certified(0.6, **kw)
-    sel = jaxtopk.certified_search(q, k, policy=policy, key=jax.random.key(2))
+    sel = jaxtopk.certified_search(q, k, policy=policy, rng=jax.random.key(2))
     tau = _tau_ld(q, k, np.asarray(sel.keep), np.ones((2, 32), bool), 0.5)
     for r in range(2):
       self.assertTrue(bool(sel.certificate.valid[r]))
@@ -231,7 +236,7 @@ class AdversarialSearchTest(parameterized.TestCase):
       jaxtopk.certified_search(
         np.ones((1, 4), np.float32),
         np.ones((1, 8, 4), np.float32),
-        policy=jaxtopk.Certified(0.1, "delta", block_size=4),
+        policy=jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=4)),
         scale=1.1e-38,
       )
 
@@ -242,7 +247,7 @@ class AdversarialSearchTest(parameterized.TestCase):
     k = np.zeros((R, 24, D), np.float32)  # flat rows need every key
     q = np.ones((R, D), np.float32)
     policy = jaxtopk.Certified(0.01, max_topk=4, **kw)
-    sel = jaxtopk.certified_search(q, k, policy=policy, key=jax.random.key(1))
+    sel = jaxtopk.certified_search(q, k, policy=policy, rng=jax.random.key(1))
     np.testing.assert_array_equal(sel.k_kept, 4)
     np.testing.assert_array_equal(np.sum(sel.keep, -1), 4)
     self.assertTrue(np.all(np.asarray(sel.certificate.tv_bound) >= 20 / 24))
@@ -267,7 +272,7 @@ class AdversarialSearchTest(parameterized.TestCase):
       if huge:  # one huge coordinate against a tiny one
         k[:, 1, 0] = np.float32(-2e38)
       sel = jaxtopk.certified_search(
-        q, k, policy=policy, values=k, key=jax.random.key(seed % 7)
+        q, k, policy=policy, values=k, rng=jax.random.key(seed % 7)
       )
       cert = sel.certificate
       keep = np.asarray(sel.keep)

@@ -194,8 +194,11 @@ class SelectTest(parameterized.TestCase):
     np.testing.assert_array_equal(sel.certificate.valid, [True, True])
 
   @parameterized.named_parameters(
-    ("delta", jaxtopk.Certified(0.01, "delta", 4, max_topk=4)),
-    ("mc", jaxtopk.Certified(0.01, "mc", 4, max_topk=4)),
+    (
+      "delta",
+      jaxtopk.Certified(0.01, jaxtopk.DeltaSearch(block_size=4), max_topk=4),
+    ),
+    ("mc", jaxtopk.Certified(0.01, jaxtopk.MCSearch(block_size=4), max_topk=4)),
   )
   def test_search_strategies_honoured_as_exact(self, policy):
     # Given logits every key is scored: Delta/MC run the exact search (a
