@@ -225,7 +225,7 @@ class DecodeSoundnessTest(parameterized.TestCase):
       if mc:
         # MC-Search holds with probability >= 1 - delta per row, so its
         # bound is not compared with the truth row by row here.
-        self.assertEqual(cert.failure_prob, policy.delta)
+        self.assertEqual(cert.failure_prob, policy.failure_prob)
       else:
         self.assertTrue(np.all(bound >= tau), f"step {t}: {tau - bound}")
         # Keys plus the block boxes read (2 key-equivalents per block).
