@@ -184,16 +184,16 @@ def _tau_ld(q, k, keep, mask, scale):
 
 
 _SEARCHES = (
-  ("exact", dict(search="exact")),
-  ("delta", dict(search="delta", block_size=4)),
-  ("mc", dict(search="mc", block_size=4, num_samples=2)),
-  ("lowrank", dict(search="delta", block_size=4, bound="lowrank", rank=2)),
+  ("exact", jaxtopk.Exact()),
+  ("delta", jaxtopk.DeltaSearch(4)),
+  ("mc", jaxtopk.MCSearch(4, num_samples=2)),
+  ("lowrank", jaxtopk.DeltaSearch(4, jaxtopk.LowRank(2))),
 )
 
 
 class AdversarialSearchTest(parameterized.TestCase):
   @parameterized.named_parameters(*_SEARCHES)
-  def test_flushed_query_component(self, kw):
+  def test_flushed_query_component(self, search):
     # Audit finding: q_0 = 1e-38 is read as 0 by the CPU, so the first key's
     # logit reads 5 instead of 2; the bound was 0.15 against tau 0.73.
     q = np.array([[1e-38, 1.0, 0.0, 0.0]], np.float32)
@@ -201,7 +201,7 @@ class AdversarialSearchTest(parameterized.TestCase):
     sel = jaxtopk.certified_search(
       q,
       k,
-      policy=jaxtopk.Certified(0.45, **kw),
+      policy=jaxtopk.Certified(0.45, search),
       scale=1.0,
       rng=jax.random.key(0),
     )
@@ -211,7 +211,7 @@ class AdversarialSearchTest(parameterized.TestCase):
     self.assertGreaterEqual(np.longdouble(float(cert.tv_bound[0])), tau[0])
 
   @parameterized.named_parameters(*_SEARCHES)
-  def test_keys_whose_squares_underflow(self, kw):
+  def test_keys_whose_squares_underflow(self, search):
     # Second audit: keys +-1e-19 (squares underflow) got block radius 0, so
     # the ball bound read 0 for blocks whose keys reach logit 1.8, and
     # blocks of mass were skipped: tv 0.536 against tau 0.782.
@@ -222,7 +222,7 @@ class AdversarialSearchTest(parameterized.TestCase):
     for b in range(1, 8):
       k[:, 4 * b : 4 * b + 2] = a
       k[:, 4 * b + 2 : 4 * b + 4] = -a
-    policy = jaxtopk.Certified(0.6, **kw)
+    policy = jaxtopk.Certified(0.6, search)
     sel = jaxtopk.certified_search(q, k, policy=policy, rng=jax.random.key(2))
     tau = _tau_ld(q, k, np.asarray(sel.keep), np.ones((2, 32), bool), 0.5)
     for r in range(2):
@@ -241,20 +241,20 @@ class AdversarialSearchTest(parameterized.TestCase):
       )
 
   @parameterized.named_parameters(*_SEARCHES)
-  def test_max_topk_honoured(self, kw):
+  def test_max_topk_honoured(self, search):
     # Audit finding: Certified(0.01, max_topk=4) kept 4 keys on the exact path
     # but 253 through Delta-Search; every search now caps.
     k = np.zeros((R, 24, D), np.float32)  # flat rows need every key
     q = np.ones((R, D), np.float32)
-    policy = jaxtopk.Certified(0.01, max_topk=4, **kw)
+    policy = jaxtopk.Certified(0.01, search, max_topk=4)
     sel = jaxtopk.certified_search(q, k, policy=policy, rng=jax.random.key(1))
     np.testing.assert_array_equal(sel.k_kept, 4)
     np.testing.assert_array_equal(np.sum(sel.keep, -1), 4)
     self.assertTrue(np.all(np.asarray(sel.certificate.tv_bound) >= 20 / 24))
 
   @parameterized.named_parameters(*_SEARCHES)
-  def test_sound_on_extreme_magnitudes(self, kw):
-    policy = jaxtopk.Certified(0.1, **kw)
+  def test_sound_on_extreme_magnitudes(self, search):
+    policy = jaxtopk.Certified(0.1, search)
 
     @given(
       a=st.integers(-30, 30),
