@@ -90,6 +90,12 @@ BRACKET_BINS = 256  # bins of the certified bracket's column-mass histogram
 # Static gather capacity of Certified(eps) (kept keys), as a fraction of the
 # cache: rows keeping more take the dense value product.
 CERTIFIED_CAPACITY = 1 / 32
+# Caches shorter than CANDIDATE_MIN_KEYS take the full-row path of the
+# fixed counts and of Certified's exact search directly (no bracket, no
+# candidates): below it the full row costs no more (measured at n = 512 to
+# 8,192, docs/performance.md "Decode: the candidate path") and the program
+# is half the size (no second path to compile).
+CANDIDATE_MIN_KEYS = 8192
 # Auto over a KVCache (``_codes_rows``): caches shorter than AUTO_MIN_KEYS
 # run the exact search; longer rows estimate AUTO_SAMPLE strided keys'
 # logits from their codes and take the key-code path when the sample needs
@@ -162,6 +168,9 @@ class _Step:
     cache: the KVCache.
     scale: the logit scale (float or traced 0-d array).
     residual: static, whether results carry the log-sum-exp residual.
+    candidates: static, whether the fixed counts and the exact certified
+      search try the bracket and candidates before the full row
+      (``CANDIDATE_MIN_KEYS``).
   """
 
   q: jax.Array
@@ -174,6 +183,7 @@ class _Step:
   cache: KVCache
   scale: object
   residual: bool = False
+  candidates: bool = True
 
   @property
   def real(self) -> jax.Array:
@@ -237,7 +247,9 @@ def _unfold(x, hk, q_len):
   return x.reshape(b, q_len, hk * g, *x.shape[4:])
 
 
-def _step(query, cache, scale, s=None, *, q_len=1, residual=False) -> _Step:
+def _step(
+  query, cache, scale, s=None, *, q_len=1, residual=False, candidates=True
+) -> _Step:
   """The arrays of a step; ``s`` given: the logits are not computed (the
   key-code path passes its upper bounds, of which only the shape is read
   by the finishing helpers). ``q_len`` > 1: the query steps are folded
@@ -267,6 +279,7 @@ def _step(query, cache, scale, s=None, *, q_len=1, residual=False) -> _Step:
     cache=cache,
     scale=scale,
     residual=residual,
+    candidates=candidates,
   )
 
 
@@ -507,7 +520,7 @@ def _topk_of(st: _Step, topk, capacity):
     return _finish(st, _full_row(st, keep, capacity))
 
   group = _group_for(n, capacity)
-  if group < 4:
+  if group < 4 or not st.candidates:
     return full()
   cap = min(n, 2 * capacity + 16)
   bmax = threshold.column_max(st.s, st.real, group=group)  # [b, hk, g, n/g]
@@ -604,7 +617,7 @@ def _certified_exact(policy: Certified, st: _Step):
     return _finish(st, _full_row(st, keep, capacity))
 
   group = _largest_group(n, CERTIFIED_GROUP)
-  if group < 4:
+  if group < 4 or not st.candidates:
     return full()
   cap = min(n, 2 * capacity + 16)
   bmax = threshold.column_max(st.s, real, group=group)  # [b, hk, g, n/g]
@@ -774,7 +787,15 @@ def _sample_says_codes(policy, query, cache, scale):
 
 
 def _certified_codes(
-  policy: Certified, query, cache: KVCache, scale, extra, *, q_len=1, residual
+  policy: Certified,
+  query,
+  cache: KVCache,
+  scale,
+  extra,
+  *,
+  q_len=1,
+  residual,
+  candidates=True,
 ):
   """Certified(eps) of every row from the key codes (THEORY 3.5).
 
@@ -796,14 +817,16 @@ def _certified_codes(
       sample), added to ``keys_scored``.
     q_len: query steps folded into the groups (``_step``).
     residual: whether to return the log-sum-exp residual.
+    candidates: ``_Step.candidates`` of the exact fallback.
   """
+  kw = dict(q_len=q_len, residual=residual, candidates=candidates)
   q_in, q = _queries(query, cache)
   dt = q.dtype
   n = cache.max_len
   u, lo = key_codes.code_bounds(
     q_in, cache.key_codes, cache.key_exponents, scale=scale
   )  # [b, hk, g, n]
-  st = _step(query, cache, scale, s=u, q_len=q_len, residual=residual)
+  st = _step(query, cache, scale, s=u, **kw)
   real = st.real
   n_terms = 2 * n
   margin = core.search_log_margin(n_terms, st.delta, dt)
@@ -903,7 +926,7 @@ def _certified_codes(
     return _finish(st, part, keys_scored=base_cost + count)
 
   def exact():
-    step = _step(query, cache, scale, q_len=q_len, residual=residual)
+    step = _step(query, cache, scale, **kw)
     out, cert, lse = _certified_exact(policy, step)
     cost = cert.keys_scored + code_cost + extra
     return out, dataclasses.replace(cert, keys_scored=cost), lse
@@ -919,7 +942,14 @@ def _certified_codes(
 
 
 def _codes_rows(
-  policy: Certified, query, cache: KVCache, scale, *, q_len=1, residual=False
+  policy: Certified,
+  query,
+  cache: KVCache,
+  scale,
+  *,
+  q_len=1,
+  residual=False,
+  candidates=True,
 ):
   """Certified over the key codes; with ``Auto``, each row its own choice.
 
@@ -935,7 +965,8 @@ def _codes_rows(
   b, _, h, _ = query.shape
   hk = cache.keys.shape[1]
   g = h // hk
-  codes = functools.partial(_certified_codes, q_len=q_len, residual=residual)
+  kw = dict(q_len=q_len, residual=residual, candidates=candidates)
+  codes = functools.partial(_certified_codes, **kw)
   if policy.search.name != "auto":
     return codes(policy, query, cache, scale, jnp.int32(0))
   use, extra = _sample_says_codes(policy, query, cache, scale)  # [b, hk]
@@ -945,7 +976,7 @@ def _codes_rows(
     return codes(policy, query, cache, scale, extra_g)
 
   def exact(q, c, x):
-    step = _step(q, c, scale, q_len=q_len, residual=residual)
+    step = _step(q, c, scale, **kw)
     out, cert, lse = _certified_exact(policy, step)
     cert = dataclasses.replace(cert, keys_scored=cert.keys_scored + x)
     return out, cert, lse
@@ -977,15 +1008,18 @@ def _codes_rows(
 
 
 @functools.partial(
-  jax.jit, static_argnames=("policy", "static_scale", "residual")
+  jax.jit,
+  static_argnames=("policy", "static_scale", "residual", "candidates"),
 )
-def _xla_decode(query, cache, rng, scale, *, policy, static_scale, residual):
+def _xla_decode(
+  query, cache, rng, scale, *, policy, static_scale, residual, candidates
+):
   b, q_len, h, _ = query.shape
   hk = cache.keys.shape[1]
   scale = scale if static_scale is None else static_scale
   if q_len > 1:  # the steps folded into the groups, one pass over the keys
     query = _fold(query, hk)
-  kw = dict(q_len=q_len, residual=residual)
+  kw = dict(q_len=q_len, residual=residual, candidates=candidates)
   certified = policy.kind == "certified"
   if certified and _by_codes(policy, cache):
     out, cert, lse = _codes_rows(policy, query, cache, scale, **kw)
@@ -1015,7 +1049,9 @@ def xla_decode_attention(
 ):
   """The XLA implementation of ``decode_attention`` (see there)."""
   checks.check_policy(policy, _BACKEND, SUPPORTS)
-  kw = dict(policy=policy, residual=return_residual)
+  # Read per call (a static argument): the path follows the constant.
+  candidates = cache.keys.shape[2] >= CANDIDATE_MIN_KEYS
+  kw = dict(policy=policy, residual=return_residual, candidates=candidates)
   if isinstance(scale, float):  # static: exact in any compute dtype
     return _xla_decode(query, cache, rng, None, static_scale=scale, **kw)
   return _xla_decode(query, cache, rng, scale, static_scale=None, **kw)

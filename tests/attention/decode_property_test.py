@@ -4,10 +4,12 @@ Values are the identity (v_j = e_j), so the output IS the truncated
 distribution P_hat: the kept set is the output's support, the dropped mass
 tau and ||P_hat - P|| are read against float64 softmax of the same inputs.
 Rows are long enough (N = 128) for the bracket / candidate paths of the XLA
-decode to run, not only the full-row fallbacks.
+decode to run (``CANDIDATE_MIN_KEYS`` lowered to 0 here), not only the
+full-row fallbacks.
 """
 
 import os
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import jaxtopk
+from jaxtopk.attention import _decode as decode_impl
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _candidate_path():
+  with mock.patch.object(decode_impl, "CANDIDATE_MIN_KEYS", 0):
+    yield
+
 
 # CI draws 20 examples (compile-bound); HYPOTHESIS_PROFILE=soak draws 500.
 _CI_EXAMPLES = (

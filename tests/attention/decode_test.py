@@ -1,8 +1,11 @@
 """KVCache and decode_attention: summaries, agreement with topk_attention."""
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 
@@ -15,6 +18,15 @@ from tests.tolerances import tol
 B, HKV, H, D, DV = 3, 2, 6, 5, 7
 N, BS = 1024, 32  # capacity and block size (candidate path needs n >= 32 k)
 LENGTHS = (1024, 700, 13)  # every batch row a different fill
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _candidate_path():
+  """The bracket / candidate path at N = 1024 (by default caches shorter
+  than ``CANDIDATE_MIN_KEYS`` take the full row; the full row also runs
+  here, where the candidates do not fit)."""
+  with mock.patch.object(_decode, "CANDIDATE_MIN_KEYS", 0):
+    yield
 
 
 def _filled_cache(seed=0, clustered=False):
@@ -149,6 +161,26 @@ class DecodeTest(parameterized.TestCase):
     np.testing.assert_array_equal(cert.k_kept, rcert.k_kept)
     np.testing.assert_allclose(cert.tv_bound, rcert.tv_bound, rtol=1e-4)
     self.assertEqual(cert.tv_bound.shape, (B, 1, H))
+
+  @parameterized.named_parameters(
+    ("fixedk", jaxtopk.FixedK(5)),
+    ("certified_exact", jaxtopk.Certified(0.05, "exact")),
+  )
+  def test_short_caches_take_the_full_row(self, policy):
+    # Below CANDIDATE_MIN_KEYS: one path, a smaller program, same result.
+    _, cache, _, _ = _filled_cache()
+    q = 2 * rand.normal(7, (B, 1, H, D))
+    runs = {}
+    for min_keys in (0, N + 1):  # candidates tried, then the full row only
+      with mock.patch.object(_decode, "CANDIDATE_MIN_KEYS", min_keys):
+        fn = jax.jit(lambda q, c: jaxtopk.decode_attention(q, c, policy=policy))
+        runs[min_keys] = (fn(q, cache), len(fn.lower(q, cache).as_text()))
+    (out, cert), size = runs[N + 1]
+    (ref, rcert), ref_size = runs[0]
+    self.assertLess(size, 0.75 * ref_size)
+    np.testing.assert_allclose(out, ref, **tol(jnp.float32))
+    np.testing.assert_array_equal(cert.k_kept, rcert.k_kept)
+    np.testing.assert_allclose(cert.tv_bound, rcert.tv_bound, rtol=1e-4)
 
   def test_ties_in_candidate_path_sound(self):
     # Many identical keys: exact ties across sub-blocks and at the threshold.

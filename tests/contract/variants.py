@@ -42,9 +42,11 @@ largest logits to ``certify_selection``, a Delta-Search eps to
 ``grow_selection``) and refuses the rest by name.
 """
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +55,7 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import parallel
+from jaxtopk.attention import _decode as _xla_decode
 from jaxtopk.attention import registry
 from jaxtopk.selection import FEATURES
 from jaxtopk.selection import Certified
@@ -188,7 +191,17 @@ def _step0_decode(q, cache, policy):
   return out, jax.tree.map(lambda x: x[:, 0].reshape(b, t, h), cert)
 
 
-def _decode(implementation):
+def _decode(implementation, candidates=False):
+  """``decode_attention`` of each row over its own cache. ``candidates``:
+  the XLA decode's bracket / candidate path (``CANDIDATE_MIN_KEYS``
+  lowered to 0; caches this short take the full row by default, which the
+  other decode variants exercise)."""
+
+  def path():
+    if not candidates:
+      return contextlib.nullcontext()
+    return mock.patch.object(_xla_decode, "CANDIDATE_MIN_KEYS", 0)
+
   def build(policy, dtype):
     bs = _block(policy)
 
@@ -197,13 +210,14 @@ def _decode(implementation):
       b, t, h, d = q.shape
       e = v.shape[3]
       cache = _rows_cache(k, v, mask, bs)
-      out, cert = jaxtopk.decode_attention(
-        q.reshape(b * t, 1, h, d),
-        cache,
-        policy=policy,
-        implementation=implementation,
-        rng=jax.random.key(0),
-      )
+      with path():
+        out, cert = jaxtopk.decode_attention(
+          q.reshape(b * t, 1, h, d),
+          cache,
+          policy=policy,
+          implementation=implementation,
+          rng=jax.random.key(0),
+        )
       out = out.reshape(b, t, h, e)
       cert = jax.tree.map(lambda x: x.reshape(b, t, h), cert)
       return out, cert
@@ -674,7 +688,7 @@ _WRAPPER_CI = ("fixed_k", "ratio", "cert_exact_cap", "cert_delta")
 # THE list: a variant joins by adding one line.
 VARIANTS = (
   _of_op("xla_prefill", "xla_prefill", _prefill(None)),
-  _of_op("xla_decode", "xla_decode", _decode(None)),
+  _of_op("xla_decode", "xla_decode", _decode(None, candidates=True)),
   # Several query steps per call (here and index_steps below): CI runs
   # their one-key cells and refusals only (the same ops' policies are
   # crossed by xla_decode and index_decode); HYPOTHESIS_PROFILE=soak
