@@ -146,7 +146,9 @@ class SmokeRunTest(parameterized.TestCase):
         self.assertEqual(cert["valid_fraction"], 1.0)
     (mem,) = record["memory"]
     self.assertGreater(mem["peak_rss_gib"], 0.0)
-    self.assertIn("train_step", record["flax"])
+    for phase in ("forward", "train_step"):
+      for row in record["flax"][phase].values():
+        self.assertGreater(row["first_call_s"], 0.0)
 
   def _check_bench_kernels(self, record):
     self.assertIsNone(record["timings"])
