@@ -301,6 +301,10 @@ def budget_threshold(
   dropped = None  # mass of the bins after each boundary bin (dropped)
   allowed = None
   inside = good
+  # Whether the current bin is open-ended: the last bin of each pass also
+  # holds every gap past its range (clipped), so while every boundary so
+  # far was a last bin, "drop nothing more" means keeping all of them.
+  open_end = jnp.ones(m.shape, bool)
   for level in range(levels):
     w = width / num_bins**level
     pos = jnp.floor((gap - lo[..., None]) / w[..., None])
@@ -328,8 +332,11 @@ def budget_threshold(
       )
       lo = lo + bnd.astype(dt) * w
       inside = inside & (b == bnd[..., None])
+      open_end = open_end & (bnd == last)
     else:
       cut = lo + jnp.minimum(j_star, num_bins).astype(dt) * w
+      # Nothing of an open-ended bin dropped: its clipped gaps are kept too.
+      cut = jnp.where(open_end & (j_star >= num_bins), jnp.inf, cut)
   # The bins were read from fl(M - s); callers compare s >= t. Lowered by a
   # few ulps so that every key a bin counted as kept is kept (the rounding
   # of M - s, of the bin index and of M - cut may disagree at the edge):

@@ -177,6 +177,53 @@ class BudgetThresholdTest(parameterized.TestCase):
           cut - extra.min(), fine * 1.01 + 8e-7 * (abs(cut) + 1)
         )
 
+  @given(_rows, _masks, st.sampled_from([0.0, 0.5, 0.99, 0.9999]))
+  def test_budget_met_with_extra(self, s, valid, share):
+    # The extra (e.g. unscored blocks' bounds) takes ``share`` of the
+    # budget; the dropped keys must fit what is left, however far below
+    # the max they sit (past the histogram's span included).
+    frac = 0.01
+    s64 = s.astype(np.float64)
+    extra = np.zeros(3)
+    for r in range(3):
+      if valid[r].any():
+        z = np.exp(s64[r][valid[r]] - s64[r][valid[r]].max()).sum()
+        # extra / (z + extra) = share * frac
+        extra[r] = share * frac * z / (1 - share * frac)
+    m = np.where(valid.any(-1), np.where(valid, s64, -np.inf).max(-1), 0.0)
+    log_extra = np.where(extra > 0, np.log(extra) + m, -np.inf)
+    fn = jax.jit(threshold.budget_threshold, static_argnames="relative")
+    t = np.asarray(
+      fn(
+        s,
+        np.float32(np.log(frac)),
+        valid,
+        relative=True,
+        log_extra=log_extra.astype(np.float32),
+      )
+    )
+    for r in range(3):
+      v = s64[r][valid[r]]
+      if not v.size:
+        continue
+      e = np.exp(v - v.max())
+      dropped = e[v < t[r]].sum()
+      allowed = frac * (e.sum() + extra[r]) - extra[r]
+      # Up to the rounding of the histogram sums (relative 1e-5).
+      self.assertLessEqual(dropped, allowed + 1e-5 * frac * e.sum() + 1e-30)
+
+  def test_keys_past_the_span_kept_when_the_extra_leaves_no_room(self):
+    # 30 keys 12.5 below the max (past the coarse histogram's span of
+    # log(256) - log(0.01) + 2 = 12.15) hold 1.1e-4 of the mass; the extra
+    # leaves 1.0e-4: dropping them would exceed the budget.
+    s = np.full((1, 256), -np.inf, np.float32)
+    s[0, 0], s[0, 1:31] = 0.0, -12.5
+    valid = np.isfinite(s)
+    t = threshold.budget_threshold(
+      s, jnp.log(0.01), valid, relative=True, log_extra=jnp.log(0.01)
+    )
+    self.assertEqual(float(t[0]), -np.inf)
+
   def test_every_key_droppable_and_none(self):
     s = jnp.array([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
     valid = jnp.array([[True] * 3, [True] * 3, [False] * 3])
