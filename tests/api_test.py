@@ -32,6 +32,7 @@ PACKAGES = (
   "jaxtopk.theory",
   "jaxtopk.theory.internal",  # documented internal API for the layers above
   "jaxtopk.selection",
+  "jaxtopk.selection.internal",  # documented internal API for the layers above
   "jaxtopk.attention",
   "jaxtopk.kernels",
   "jaxtopk.nn",

@@ -54,18 +54,18 @@ from jax import lax
 from jaxtopk.attention import checks
 from jaxtopk.attention import registry
 from jaxtopk.attention._cache import KVCache
-from jaxtopk.selection import FEATURES
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Certified
 from jaxtopk.selection import FixedCount
 from jaxtopk.selection import Policy
-from jaxtopk.selection import box_upper_bound_dot
-from jaxtopk.selection import capabilities
 from jaxtopk.selection import core
 from jaxtopk.selection import key_codes
-from jaxtopk.selection import rng_argument
-from jaxtopk.selection import search_row_partial
 from jaxtopk.selection import threshold
+from jaxtopk.selection.internal import FEATURES
+from jaxtopk.selection.internal import box_upper_bound_dot
+from jaxtopk.selection.internal import capabilities
+from jaxtopk.selection.internal import rng_argument
+from jaxtopk.selection.internal import search_row_partial
 
 # What the XLA decode honours: every policy, strategy and field but the
 # low-rank key bound (certified_search has it).

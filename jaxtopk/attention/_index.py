@@ -58,7 +58,7 @@ from jaxtopk.attention._cache import check_append
 from jaxtopk.attention._cache import check_live
 from jaxtopk.selection import core
 from jaxtopk.selection import key_codes
-from jaxtopk.selection import rng_argument
+from jaxtopk.selection.internal import rng_argument
 
 DEFAULT_GROUP_SIZE = 64
 OPEN_FACTOR = 1.5  # an appended key this many radii away opens a group

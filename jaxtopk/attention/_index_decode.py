@@ -35,6 +35,7 @@ from jaxtopk.attention._index_search import _summary_cost
 from jaxtopk.attention._index_search import group_upper_bounds
 from jaxtopk.attention._index_search import row_errors
 from jaxtopk.selection import core
+from jaxtopk.selection import internal
 from jaxtopk.selection import key_codes
 
 
@@ -73,7 +74,7 @@ def _search_decode(
     slot_ok = jnp.arange(c_sz) < index.count[..., None]  # [b, hk, G, C]
     rngs = jax.random.split(rng, (b, hk, g))
     fn = functools.partial(
-      selection.mc_log_mass_row,
+      internal.mc_log_mass_row,
       scale=scale,
       num_samples=policy.num_samples,
       delta=policy.failure_prob,
@@ -183,7 +184,7 @@ def _full_decode(
     valid = valid & (pos >= 0) & (pos < limit[:, None, :, None])
   delta, _ = row_errors(q, qf, index, scale)
   norms = core.value_norms(v)[:, :, None]  # [b, hk, 1, n]
-  sel = selection.select_rows(
+  sel = internal.select_rows(
     s, policy, valid=valid, norms=norms, logit_error=delta
   )
   keep = sel.keep
@@ -308,7 +309,7 @@ def index_decode_attention(
 # key scored (the exact search, fixed counts); the group search bounded by
 # the key codes (Auto, which honours max_topk by scoring every key, or
 # bound='codes'); the group search bounded by the balls (delta, mc).
-_FULL = selection.capabilities(
+_FULL = internal.capabilities(
   "policy=Dense",
   "policy=FixedK",
   "policy=Ratio",
@@ -317,10 +318,10 @@ _FULL = selection.capabilities(
   "search=exact",
   "max_topk",
 )
-_CODES = selection.capabilities(
+_CODES = internal.capabilities(
   "policy=Certified", "search=exact", "search=delta", "bound=codes"
 )
-_GROUPS = selection.capabilities(
+_GROUPS = internal.capabilities(
   "policy=Certified", "search=delta", "search=mc", "bound=box"
 )
 

@@ -82,16 +82,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy.special import logsumexp
 
-from jaxtopk import selection
 from jaxtopk import theory
 from jaxtopk.selection import core
+from jaxtopk.selection import internal
 
 HIGHEST = core.PRECISION  # full float32 products (the bounds assume it)
 
 # What this path honours (``Policy.require``): every policy, the exact and
 # Delta-Search strategies with box block bounds, and max_topk. MC-Search and
 # the low-rank key bound are refused by name.
-SUPPORTS = selection.capabilities(
+SUPPORTS = internal.capabilities(
   "policy=Dense",
   "policy=FixedK",
   "policy=Ratio",
@@ -445,7 +445,7 @@ def _scan_all_tile(c, length, i):
   )  # [b, hk, g, bq]
   sgs = jax.lax.stop_gradient(s)
   pos = real & (sgs > -jnp.inf)
-  keep = selection.keep_mask(sgs, c.policy, pos, logit_error=delta, n_keys=p.s)
+  keep = internal.keep_mask(sgs, c.policy, pos, logit_error=delta, n_keys=p.s)
   vn = arr["vn"][:, :, None, None, :length] if c.values_bound else None
   part = core.PartialSoftmax.from_logits(
     s,
@@ -498,7 +498,7 @@ def _search_tile(c, i):
   # (which covers what flushed subnormal inputs drop), plus the block's
   # largest bias. log_mass = log(count e^u); +inf (scored first, never
   # certified away) where the bound is not a number or a value is broken.
-  u = selection.box_upper_bound_dot(
+  u = internal.box_upper_bound_dot(
     sg(q_t).reshape(p.b, p.hk, p.g * p.bq, p.d), arr["box"], scale=c.scale
   ).reshape(*lead, nb)
   u = u + delta[..., None]
@@ -561,7 +561,7 @@ def _search_tile(c, i):
     r = idx.shape[-1]
     sgs = sg(s)
     pos = real & (sgs > -jnp.inf)
-    keep = selection.keep_mask(
+    keep = internal.keep_mask(
       sgs,
       policy,
       pos,

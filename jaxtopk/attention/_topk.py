@@ -31,10 +31,10 @@ import jax.numpy as jnp
 from jaxtopk.attention import _prefill
 from jaxtopk.attention import checks
 from jaxtopk.attention import registry
-from jaxtopk.selection import FEATURES
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Policy
 from jaxtopk.selection import core
+from jaxtopk.selection.internal import FEATURES
 
 # ``{implementation name: fn}`` of the registered prefill ops (read-only,
 # from ``registry.OPS``; None is the default).

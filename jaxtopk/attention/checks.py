@@ -40,7 +40,7 @@ Names:
 - ``check_scale(scale, head_dim)``: default, static float or dynamic array.
 - ``scale_ok(scale)``: bool, for the validity rule of a dynamic scale.
 - ``check_policy(policy, backend, supports)``: a Policy the backend honours
-  (``selection.check_policy``).
+  (``selection.internal.check_policy``).
 - ``check_rng(policy, key)``: a PRNG key where the search needs one.
 - ``check_decode_call(query, cache, policy, scale, key)``: a decode call
   over a KVCache (query shape, scale, PRNG key), for its ops.
@@ -55,8 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtopk.selection import Certificate
-from jaxtopk.selection import check_policy as check_policy
 from jaxtopk.selection import core
+from jaxtopk.selection.internal import check_policy as check_policy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,8 @@ An op (``AttentionOp``) is one implementation of one kind of call:
 'prefill' (``topk_attention``) or 'decode' (``decode_attention``). It
 declares in one place what it supports:
 
-- ``supports``: the policy features it honours (``selection.capabilities``),
+- ``supports``: the policy features it honours
+  (``selection.internal.capabilities``),
   or ``supports_fn(policy)`` where that depends on the policy (the content
   index honours ``max_topk`` with the exact search, not with its group
   searches);
@@ -89,7 +90,7 @@ class AttentionOp:
       and then returns ``(output, Certificate, lse)``.
     label: how errors name the path, e.g.
       "topk_attention(implementation='xla')".
-    supports: policy features honoured (``selection.capabilities``).
+    supports: policy features honoured (``selection.internal.capabilities``).
     supports_fn: ``policy -> features`` where they depend on the policy
       (replaces ``supports``).
     arguments: optional arguments taken (``PREFILL_ARGUMENTS`` or

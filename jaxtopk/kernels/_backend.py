@@ -41,7 +41,7 @@ from jaxtopk.kernels import _decode
 from jaxtopk.kernels import _prefill
 from jaxtopk.kernels import _sparse_flash
 from jaxtopk.selection import UnsupportedPolicyError
-from jaxtopk.selection import capabilities
+from jaxtopk.selection.internal import capabilities
 
 PREFILL = "topk_attention(implementation='pallas')"
 DECODE = "decode_attention(implementation='pallas')"

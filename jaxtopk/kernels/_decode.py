@@ -45,8 +45,8 @@ from jaxtopk.kernels import _common
 from jaxtopk.kernels import _decode_gpu
 from jaxtopk.kernels import _decode_tpu
 from jaxtopk.selection import Certificate
-from jaxtopk.selection import box_upper_bound_dot
 from jaxtopk.selection import core
+from jaxtopk.selection.internal import box_upper_bound_dot
 
 _RUN = {"tpu": _decode_tpu.run, "gpu": _decode_gpu.run}
 

@@ -28,7 +28,7 @@ from jaxtopk.attention import decode_attention
 from jaxtopk.attention import topk_attention
 from jaxtopk.selection import Dense
 from jaxtopk.selection import Policy
-from jaxtopk.selection import check_policy
+from jaxtopk.selection.internal import check_policy
 
 
 class DecoderAttention(Protocol):

@@ -37,7 +37,7 @@ from jaxtopk.attention import registry
 from jaxtopk.attention import topk_attention
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Policy
-from jaxtopk.selection import check_policy
+from jaxtopk.selection.internal import check_policy
 
 CERTIFICATE_NAME = "certificate"
 

@@ -47,8 +47,8 @@ from jaxtopk.parallel import _global_select
 from jaxtopk.parallel import _mesh
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Policy
-from jaxtopk.selection import capabilities
 from jaxtopk.selection import core
+from jaxtopk.selection.internal import capabilities
 
 _HIGHEST = core.PRECISION  # full float32 products (the bounds assume it)
 

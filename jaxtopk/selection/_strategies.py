@@ -118,7 +118,8 @@ class Box(KeyBound):
 class LowRank(KeyBound):
   """Per-key bounds from a rank-``rank`` projection of the keys.
 
-  q.k <= q_P.k_P + ||q_perp|| ||k_perp|| (``selection.lowrank_upper_bound``);
+  q.k <= q_P.k_P + ||q_perp|| ||k_perp||
+  (``selection.internal.lowrank_upper_bound``);
   the projected products are counted in ``keys_scored``.
 
   Attributes:

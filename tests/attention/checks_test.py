@@ -12,7 +12,7 @@ from absl.testing import parameterized
 
 import jaxtopk
 from jaxtopk.attention import checks
-from jaxtopk.selection import capabilities
+from jaxtopk.selection.internal import capabilities
 
 B, T, H, HK, D, S, DV = 2, 3, 6, 3, 5, 7, 4  # distinct sizes
 

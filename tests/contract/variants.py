@@ -57,10 +57,10 @@ import jaxtopk
 from jaxtopk import parallel
 from jaxtopk.attention import _decode as _xla_decode
 from jaxtopk.attention import registry
-from jaxtopk.selection import FEATURES
 from jaxtopk.selection import Certified
-from jaxtopk.selection import capabilities
 from jaxtopk.selection import core
+from jaxtopk.selection.internal import FEATURES
+from jaxtopk.selection.internal import capabilities
 from tests.contract import families as fam
 from tests.contract import policies as pol
 

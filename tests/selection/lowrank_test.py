@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import jaxtopk
 from jaxtopk import selection
+from jaxtopk.selection import internal
 from tests import rand
 
 R, N, D, BS = 3, 13, 5, 7  # rows, keys (ragged last block), dim, block
@@ -61,7 +62,7 @@ class LowRankBoundTest(parameterized.TestCase):
     # The bound holds for ANY P (own: the keys' eigenvectors; else random).
     if own:
       p = selection.key_projection(k, np.ones(N, bool), rank=3)
-    u = selection.lowrank_upper_bound(q, k, p, scale=0.7)
+    u = internal.lowrank_upper_bound(q, k, p, scale=0.7)
     s = _logits64(q, k, 0.7)
     self.assertTrue(np.all(np.asarray(u, np.float64) >= s), (u, s))
 
@@ -70,7 +71,7 @@ class LowRankBoundTest(parameterized.TestCase):
     k = _low_rank_keys(0, 1, 11, 7, rank, noise=0.0)[0]
     q = np.asarray(rand.normal(1, (7,)))
     p = selection.key_projection(k, np.ones(11, bool), rank=rank)
-    u = selection.lowrank_upper_bound(q, k, p, scale=1.0)
+    u = internal.lowrank_upper_bound(q, k, p, scale=1.0)
     s = _logits64(q, k, 1.0)
     self.assertTrue(np.all(np.asarray(u, np.float64) >= s))
     np.testing.assert_allclose(u, s, atol=1e-3 * np.abs(s).max())

@@ -16,7 +16,8 @@ from jaxtopk.selection import DeltaSearch
 from jaxtopk.selection import Exact
 from jaxtopk.selection import LowRank
 from jaxtopk.selection import MCSearch
-from jaxtopk.selection import capabilities
+from jaxtopk.selection import internal
+from jaxtopk.selection.internal import capabilities
 
 
 class ValidationTest(parameterized.TestCase):
@@ -181,9 +182,9 @@ class StrategyTest(parameterized.TestCase):
   @parameterized.named_parameters(("str", "dense"), ("float", 0.5))
   def test_check_policy_names_the_bad_value(self, value):
     with self.assertRaisesRegex(TypeError, f"policy={value!r}"):
-      jaxtopk.selection.check_policy(value)
+      internal.check_policy(value)
     ok = jaxtopk.Dense()
-    self.assertIs(jaxtopk.selection.check_policy(ok), ok)
+    self.assertIs(internal.check_policy(ok), ok)
 
   def test_strategy_keywords_are_deprecated_and_name_the_strategy(self):
     with self.assertWarnsRegex(
@@ -317,9 +318,9 @@ class CapabilityTest(parameterized.TestCase):
       jaxtopk.Certified(0.1, "delta", bound="lowrank", max_topk=3),
       jaxtopk.Certified(0.1, "mc"),
     ):
-      policy.require("test", jaxtopk.selection.FEATURES)
+      policy.require("test", internal.FEATURES)
       for _, _, feature in policy.features():
-        self.assertIn(feature, jaxtopk.selection.FEATURES)
+        self.assertIn(feature, internal.FEATURES)
 
   def test_unknown_feature_refused(self):
     with self.assertRaisesRegex(ValueError, "bogus"):
