@@ -341,7 +341,7 @@ q = q[:, :, :, None] + 0.3 * jax.random.normal(kq, (b, h, n_tiles, tile, d))
 q = q.reshape(b, h, s, d)
 v = jax.random.normal(kv, (b, h, s, d))
 
-bs = kernels.SparseFlashSizes(block_q=tile, block_k=tile)
+bs = kernels.sparse_flash.BlockSizes(block_q=tile, block_k=tile)
 out, cert = kernels.certified_sparse_attention(
   q, k, v, eps=0.05, block_sizes=bs, interpret=on_cpu
 )

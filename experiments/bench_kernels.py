@@ -113,7 +113,7 @@ def bench_decode(c, n):
   xla = jax.jit(lambda q, c: jaxtopk.decode_attention(q, c, policy=pol))
   rec["xla_topk_delta"] = _try(lambda: xla(_bhtd(q), cache), repeats)
   box = cache.box()
-  sizes = kernels.DecodeSizes(bk, c.splits)
+  sizes = kernels.decode.BlockSizes(bk, c.splits)
   pal = jax.jit(
     lambda q, k, v, box, vn: kernels.certified_decode(
       q,
@@ -152,7 +152,7 @@ def bench_prefill(c, n):
     )
     rec[f"dense_{impl}"] = _try(lambda f=f: f(q, k, v), repeats)
   nqt = nkb = n // bk
-  sizes = kernels.SparseFlashSizes(bk, bk)
+  sizes = kernels.sparse_flash.BlockSizes(bk, bk)
   for name, keep in (("all", nkb), ("eighth", max(1, nkb // 8))):
     # Causal: tile t may use blocks 0..t; keep the last `keep` of them.
     t = jnp.arange(nqt)[:, None]
@@ -200,7 +200,7 @@ def smoke() -> dict:
     256, heads=2, kv_heads=1, d=16, block=32, keys="clustered", q_len=1
   )
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  sizes = kernels.DecodeSizes(32, 2)
+  sizes = kernels.decode.BlockSizes(32, 2)
   out, cert = kernels.certified_decode(
     q[:, :, 0], k, v, eps=0.05, block_sizes=sizes, interpret=True
   )

@@ -35,6 +35,11 @@ PACKAGES = (
   "jaxtopk.selection.internal",  # documented internal API for the layers above
   "jaxtopk.attention",
   "jaxtopk.kernels",
+  "jaxtopk.kernels.decode",
+  "jaxtopk.kernels.prefill",
+  "jaxtopk.kernels.select",
+  "jaxtopk.kernels.sparse_flash",
+  "jaxtopk.kernels.stats",
   "jaxtopk.nn",
   "jaxtopk.models",
   "jaxtopk.parallel",

@@ -31,7 +31,7 @@ class BlockStatsTest(base.KernelTestCase):
       k,
       mask=mask,
       is_causal=causal,
-      block_sizes=kernels.BlockStatsSizes(16, 32),
+      block_sizes=kernels.stats.BlockSizes(16, 32),
       backend=self.grid(backend),
       interpret=self.INTERPRET,
     )
@@ -43,9 +43,7 @@ class BlockStatsTest(base.KernelTestCase):
     base.finite_close(self, st.lse, ref.lse, atol=2e-5, rtol=2e-5)
     base.finite_close(self, st.max_logit, ref.max_logit, atol=2e-5, rtol=2e-5)
     # The block masses add up to the row's mass (the float64 reference).
-    vis = np.asarray(
-      kernels.sparse_flash_visible_mask(2, 37, 101, mask, causal)
-    )
+    vis = np.asarray(kernels.stats.visible_mask(2, 37, 101, mask, causal))
     s = reference.logits(q, reference.repeat_kv(k, 6), 8**-0.5)
     s = np.where(vis, np.asarray(s, np.float64), -np.inf)
     row = scipy.special.logsumexp(s, axis=-1)

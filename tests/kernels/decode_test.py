@@ -15,7 +15,7 @@ from tests.contract import reference
 from tests.kernels import base
 
 BK, SPLITS = 16, 3
-SIZES = kernels.DecodeSizes(BK, SPLITS)
+SIZES = kernels.decode.BlockSizes(BK, SPLITS)
 
 
 def _oracle(q, k, v, scored, mask):

@@ -37,7 +37,7 @@ class LoweringTest(parameterized.TestCase):
       kernels.block_stats,
       is_causal=True,
       backend=backend,
-      block_sizes=kernels.BlockStatsSizes(128, 128),
+      block_sizes=kernels.stats.BlockSizes(128, 128),
     )
     text = _export(
       lambda q, k, m: fn(q, k, mask=m),
@@ -55,7 +55,7 @@ class LoweringTest(parameterized.TestCase):
       kernels.sparse_flash_attention,
       is_causal=True,
       backend=backend,
-      block_sizes=kernels.SparseFlashSizes(128, 128),
+      block_sizes=kernels.sparse_flash.BlockSizes(128, 128),
     )
     text = _export(
       lambda q, k, v, i, c, m: fn(q, k, v, i, c, mask=m),
@@ -76,7 +76,7 @@ class LoweringTest(parameterized.TestCase):
       kernels.certified_decode,
       eps=0.01,
       backend=backend,
-      block_sizes=kernels.DecodeSizes(128, 4),
+      block_sizes=kernels.decode.BlockSizes(128, 4),
     )
     text = _export(
       lambda q, k, v, m: fn(q, k, v, mask=m),
@@ -97,7 +97,7 @@ class LoweringTest(parameterized.TestCase):
       eps=0.01,
       is_causal=True,
       backend=backend,
-      block_sizes=kernels.SparseFlashSizes(128, 128),
+      block_sizes=kernels.sparse_flash.BlockSizes(128, 128),
     )
 
     def loss(q, k, v, m):
@@ -130,13 +130,13 @@ class LoweringTest(parameterized.TestCase):
       eps=0.01,
       is_causal=True,
       backend=backend,
-      block_sizes=kernels.SparseFlashSizes(128, 128),
+      block_sizes=kernels.sparse_flash.BlockSizes(128, 128),
     )
     dec = functools.partial(
       kernels.certified_decode,
       eps=0.01,
       backend=backend,
-      block_sizes=kernels.DecodeSizes(128, 2),
+      block_sizes=kernels.decode.BlockSizes(128, 2),
     )
     kv = (S((B, HKV, nk, D), dt), S((B, HKV, nk, D), dt), S((B, nk), bool))
     text = _export(
@@ -163,13 +163,13 @@ class LoweringTest(parameterized.TestCase):
       eps=0.05,
       is_causal=True,
       backend="gpu",
-      block_sizes=kernels.SparseFlashSizes(bq, bk),
+      block_sizes=kernels.sparse_flash.BlockSizes(bq, bk),
     )
     dec = functools.partial(
       kernels.certified_decode,
       eps=0.05,
       backend="gpu",
-      block_sizes=kernels.DecodeSizes(16, 3),
+      block_sizes=kernels.decode.BlockSizes(16, 3),
     )
     kv = (S((2, HKV, nk, d), dtype), S((2, HKV, nk, dv), dtype))
     m = S((2, nk), bool)
@@ -196,7 +196,7 @@ class LoweringTest(parameterized.TestCase):
     fn = functools.partial(
       kernels.block_stats,
       backend="gpu",
-      block_sizes=kernels.BlockStatsSizes(24, 128),
+      block_sizes=kernels.stats.BlockSizes(24, 128),
     )
     with self.assertRaisesRegex(ValueError, "block_q=24 must be a power of 2"):
       _export(
@@ -211,7 +211,7 @@ class LoweringTest(parameterized.TestCase):
       kernels.certified_sparse_attention,
       eps=0.01,
       backend="gpu",
-      block_sizes=kernels.SparseFlashSizes(16, 48),
+      block_sizes=kernels.sparse_flash.BlockSizes(16, 48),
     )
     with self.assertRaisesRegex(ValueError, "block_k=48 must be a power of 2"):
       _export(pre, "cuda", q, kv, kv)
@@ -219,7 +219,7 @@ class LoweringTest(parameterized.TestCase):
       kernels.certified_decode,
       eps=0.01,
       backend="gpu",
-      block_sizes=kernels.DecodeSizes(24, 2),
+      block_sizes=kernels.decode.BlockSizes(24, 2),
     )
     with self.assertRaisesRegex(ValueError, "block_k=24 must be a power of 2"):
       _export(dec, "cuda", S((B, H, D), jnp.float32), kv, kv)

@@ -22,7 +22,7 @@ def _run(test, q, k, v, mask, eps, causal=False, **kw):
     eps=eps,
     mask=mask,
     is_causal=causal,
-    block_sizes=kernels.SparseFlashSizes(BQ, BK),
+    block_sizes=kernels.sparse_flash.BlockSizes(BQ, BK),
     interpret=test.INTERPRET,
     **kw,
   )
@@ -32,7 +32,7 @@ def _run(test, q, k, v, mask, eps, causal=False, **kw):
   sel = kernels.select_blocks(
     st.lse, eps=eps, block_q=BQ, max_blocks=kw.get("max_blocks")
   )
-  keep = kernels.sparse_flash_kept_key_mask(
+  keep = kernels.sparse_flash.kept_key_mask(
     sel.block_idx,
     sel.block_count,
     q_len=q.shape[2],
@@ -41,9 +41,7 @@ def _run(test, q, k, v, mask, eps, causal=False, **kw):
     block_k=BK,
   )
   vis = np.asarray(
-    kernels.sparse_flash_visible_mask(
-      q.shape[0], q.shape[2], k.shape[2], mask, causal
-    )
+    kernels.stats.visible_mask(q.shape[0], q.shape[2], k.shape[2], mask, causal)
   )
   tau, err, n_vis = reference.kept_truth(
     q, k, v, keep, vis, q.shape[-1] ** -0.5
@@ -81,7 +79,7 @@ class PrefillCertificateTest(base.KernelTestCase):
       eps=eps,
       mask=mask,
       is_causal=causal,
-      block_sizes=kernels.SparseFlashSizes(BQ, BK),
+      block_sizes=kernels.sparse_flash.BlockSizes(BQ, BK),
     )
     np.testing.assert_allclose(
       np.asarray(out, np.float32), np.asarray(ro, np.float32), **tol(dtype)

@@ -51,7 +51,7 @@ class SparseFlashTest(base.KernelTestCase):
       sel,
       mask,
       causal,
-      block_sizes=kernels.SparseFlashSizes(BQ, BK),
+      block_sizes=kernels.sparse_flash.BlockSizes(BQ, BK),
       backend=self.grid(backend),
       interpret=self.INTERPRET,
     )
@@ -86,7 +86,7 @@ class SparseFlashTest(base.KernelTestCase):
       sel,
       mask,
       False,
-      block_sizes=kernels.SparseFlashSizes(BQ, BK),
+      block_sizes=kernels.sparse_flash.BlockSizes(BQ, BK),
       interpret=self.INTERPRET,
     )
     # Dense softmax attention, the float64 reference (GQA: 2 heads per kv).
@@ -118,7 +118,7 @@ class SparseFlashTest(base.KernelTestCase):
       lambda *a: loss(
         kernels.sparse_flash_attention,
         *a,
-        block_sizes=kernels.SparseFlashSizes(BQ, BK),
+        block_sizes=kernels.sparse_flash.BlockSizes(BQ, BK),
         backend=self.grid(backend),
         interpret=self.INTERPRET,
       ),
@@ -133,7 +133,7 @@ class SparseFlashTest(base.KernelTestCase):
     for g, w in zip(got, want, strict=True):
       np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
     # Keys in no kept block get exactly zero gradient.
-    kept = kernels.sparse_flash_kept_key_mask(
+    kept = kernels.sparse_flash.kept_key_mask(
       sel.block_idx,
       sel.block_count,
       q_len=19,
@@ -154,7 +154,7 @@ class SparseFlashTest(base.KernelTestCase):
         v,
         jnp.zeros((1, 2, 5, 2), jnp.int32),
         jnp.zeros((1, 2, 5), jnp.int32),
-        block_sizes=kernels.SparseFlashSizes(BQ, BK),
+        block_sizes=kernels.sparse_flash.BlockSizes(BQ, BK),
         interpret=True,
       )
 
@@ -183,7 +183,7 @@ class GatheredAttentionTest(parameterized.TestCase):
       o, lse = fn(q, k, v, sel.block_idx, sel.block_count, **kw, **extra)
       return jnp.sum(o * ct) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
-    got = kernels.sparse_flash_gathered_attention(
+    got = kernels.sparse_flash.gathered_attention(
       q, k, v, sel.block_idx, sel.block_count, **sc, **kw
     )
     want = kernels.sparse_flash_attention_reference(
@@ -193,7 +193,7 @@ class GatheredAttentionTest(parameterized.TestCase):
       base.finite_close(self, a, b, **tolerances.tol(jnp.float32))
     args = (0, 1, 2)
     g_got = jax.grad(
-      lambda *a: loss(kernels.sparse_flash_gathered_attention, *a, **sc),
+      lambda *a: loss(kernels.sparse_flash.gathered_attention, *a, **sc),
       argnums=args,
     )(q, k, v)
     g_want = jax.grad(
