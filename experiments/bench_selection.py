@@ -207,7 +207,7 @@ def _delta_rows(name, q, k, mask, scale, block_size, ranks, epss):
     )
     for rank in ranks:
       low = jaxtopk.Certified(
-        eps, search="delta", block_size=block_size, bound="lowrank", rank=rank
+        eps, jaxtopk.DeltaSearch(block_size, jaxtopk.LowRank(rank))
       )
       lr = _run_search(q, k, mask, scale, low)
       cost = -(-lr["n"] * rank // d)  # ceil(n r / d), included in scored

@@ -191,7 +191,8 @@ class BudgetThresholdTest(parameterized.TestCase):
         # extra / (z + extra) = share * frac
         extra[r] = share * frac * z / (1 - share * frac)
     m = np.where(valid.any(-1), np.where(valid, s64, -np.inf).max(-1), 0.0)
-    log_extra = np.where(extra > 0, np.log(extra) + m, -np.inf)
+    log_extra = np.full(3, -np.inf)
+    log_extra[extra > 0] = np.log(extra[extra > 0]) + m[extra > 0]
     fn = jax.jit(threshold.budget_threshold, static_argnames="relative")
     t = np.asarray(
       fn(
