@@ -93,8 +93,8 @@ CERTIFIED_CAPACITY = 1 / 32
 # Caches shorter than CANDIDATE_MIN_KEYS take the full-row path of the
 # fixed counts and of Certified's exact search directly (no bracket, no
 # candidates): below it the full row costs no more (measured at n = 512 to
-# 8,192, docs/performance.md "Decode: the candidate path") and the program
-# is half the size (no second path to compile).
+# 16,384, docs/performance.md "Decode over a KVCache") and the program is
+# half the size (no second path to compile).
 CANDIDATE_MIN_KEYS = 8192
 # Auto over a KVCache (``_codes_rows``): caches shorter than AUTO_MIN_KEYS
 # run the exact search; longer rows estimate AUTO_SAMPLE strided keys'
