@@ -17,6 +17,19 @@ def _has_accelerator() -> bool:
 if not _has_accelerator():
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# Two thirds of the suite's time is XLA compiling small programs, most of it
+# LLVM optimising code that then runs once on tiny inputs. Tests compile with
+# XLA's backend optimisations off (jax's own switch; it cuts the suite's wall
+# time by about a quarter). The arithmetic is the same IEEE arithmetic: no
+# fast-math at either level, and every bound covers any summation order of a
+# product. One contract variant compiles at jax's default level, where level
+# 0 miscompiles (tests/contract/variants.py). Set
+# JAX_DISABLE_MOST_OPTIMIZATIONS=0 to test the optimised programs (do, before
+# a release and when soaking); benchmarks and experiments always run at jax's
+# default. Set in the environment, so the subprocesses some tests start
+# inherit it.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck  # noqa: E402

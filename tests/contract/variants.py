@@ -775,11 +775,27 @@ VARIANTS = (
 BY_NAME = {v.name: v for v in VARIANTS}
 
 
+# The suite compiles at XLA's backend level 0 (tests/conftest.py). There
+# XLA:CPU miscompiles a fusion of the simulated-shard top-k: in the kept set,
+# `valid & (s == thr)` came out False where one debug print of the three
+# showed valid True and s == thr True (FixedK cells kept 2 keys of 3; the same
+# inputs through `global_topk_keep` alone are right, and so are levels 2
+# and 3). These variants compile at jax's default level, the program users
+# run.
+_AT_JAX_DEFAULT_LEVEL = ("kv_sharded",)
+_JAX_DEFAULT_LEVEL = {
+  "xla_backend_optimization_level": 3,
+  "xla_llvm_disable_expensive_passes": False,
+}
+
+
 @functools.cache
 def compiled(variant_name: str, policy_name: str, dtype_name: str):
   """``jax.jit`` of the variant for one policy and dtype (compiled once)."""
   v = BY_NAME[variant_name]
   fn = v.build(pol.BY_NAME[policy_name], fam.DTYPES[dtype_name])
+  if variant_name in _AT_JAX_DEFAULT_LEVEL:
+    return jax.jit(fn, compiler_options=_JAX_DEFAULT_LEVEL)
   return jax.jit(fn)
 
 
