@@ -187,35 +187,26 @@ def _full_decode(
   sel = internal.select_rows(
     s, policy, valid=valid, norms=norms, logit_error=delta
   )
-  keep = sel.keep
-  m = jnp.max(jnp.where(keep, s, -jnp.inf), -1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(keep, jnp.exp(jnp.where(keep, s, m) - m), 0.0)
-  den = jnp.sum(p, -1, keepdims=True)
-  # Normalised weights first (each <= 1): a sum of weighted values near
-  # the largest float overflows where their mean does not.
-  p = p / jnp.where(den > 0, den, 1.0)
-  out = jnp.einsum("bkgn,bknv->bkgv", p, v.astype(dt), precision=core.PRECISION)
-  cert = sel.certificate
-  head = core.max_norm(norms, keep)
-  ok = cert.valid & jnp.all(jnp.isfinite(out), -1) & scale_ok
-  # tv_bound 0 (log_tv_bound the finite stand-in for log 0) is -inf again.
-  log_tv = jnp.where(cert.tv_bound == 0, -jnp.inf, cert.log_tv_bound)
-  cert = core.finish_certificate(
-    log_tv,
-    ok,
-    k_kept=cert.k_kept,
-    keys_scored=jnp.sum(valid, -1, dtype=jnp.int32),
-    head_norm=head,
-    tail_norm=core.max_norm(norms, valid & ~keep),
+  n_valid = jnp.sum(valid, -1, dtype=jnp.int32)
+
+  def value_fn(p):  # p: [b, hk, g, n] normalised kept weights
+    return jnp.einsum(
+      "bkgn,bknv->bkgv", p, v.astype(dt), precision=core.PRECISION
+    )
+
+  part = core.PartialSoftmax.from_logits(
+    s,
+    sel.keep,
+    valid,
     logit_error=delta,
+    value_fn=value_fn,
+    value_norms=norms,
+    keys_scored=n_valid,
   )
-  out = jnp.where(ok[..., None], out, 0.0)
+  out, cert = part.finalize(n_terms=s.shape[-1], scale_ok=scale_ok)
   lse = None
   if residual:
-    empty = ~jnp.any(valid, -1)
-    log_head = m[..., 0] + jnp.log(den[..., 0])
-    lse = core.log_sum_exp_residual(log_head, cert.valid, empty)
+    lse = core.log_sum_exp_residual(part.log_head, cert.valid, n_valid == 0)
   if q_len > 1:
     out, cert, lse = jax.tree.map(
       lambda x: _decode._unfold(x, hk, q_len), (out, cert, lse)
