@@ -5,7 +5,9 @@
 - The import graph goes only downward (DESIGN.md layers):
   theory <- selection <- attention <- kernels <- nn <- models, with parallel
   beside (it may use theory, selection and attention; nothing but the
-  top-level package imports it) and tasks standalone.
+  top-level package imports it) and tasks standalone. Below them all,
+  leaf modules at the top level (``jaxtopk._deprecation``) that import
+  nothing from jaxtopk; every layer may use them.
 - No module imports another package's private module or name
   (``from jaxtopk.selection import _certify`` inside jaxtopk/attention);
   layers above use a package's public or documented internal API (e.g.
@@ -53,6 +55,8 @@ _STACK = ("theory", "selection", "attention", "kernels", "nn", "models")
 ALLOWED = {name: set(_STACK[:i]) for i, name in enumerate(_STACK)}
 ALLOWED["parallel"] = {"theory", "selection", "attention"}
 ALLOWED["tasks"] = set()
+# Top-level modules below every layer (they import nothing from jaxtopk).
+LEAVES = ("_deprecation",)
 
 # file -> private modules of OTHER packages it imports. Empty:
 # every layer uses the public or documented internal API (e.g.
@@ -167,18 +171,22 @@ class ImportGraphTest(absltest.TestCase):
           bad.append(f"{rel}: import jaxtopk (the top-level package)")
           continue
         target = parts[1]
-        if target in (package, "__version__"):
+        if target in (package, "__version__", *LEAVES):
           continue
         if target not in ALLOWED[package]:
           bad.append(f"{rel}: imports jaxtopk.{target} (layer {package})")
     self.assertEqual(bad, [])
+
+  def test_leaves_import_nothing_from_jaxtopk(self):
+    for leaf in LEAVES:
+      self.assertEqual(_imports(PACKAGE_DIR / f"{leaf}.py"), [], leaf)
 
   def test_no_new_private_cross_package_imports(self):
     found = {}
     for rel, package in _modules():
       for name in _imports(PACKAGE_DIR / rel):
         target = _private_target(name)
-        if target is None or target.split(".")[1] == package:
+        if target is None or target.split(".")[1] in (package, *LEAVES):
           continue
         found.setdefault(rel.as_posix(), set()).add(target)
     new = {

@@ -28,11 +28,11 @@ arrays are deleted; ``append(..., donate=False)`` keeps them (and copies).
 """
 
 import dataclasses
-import warnings
 
 import jax
 import jax.numpy as jnp
 
+from jaxtopk import _deprecation
 from jaxtopk.attention import checks
 from jaxtopk.selection import core
 from jaxtopk.selection import key_codes
@@ -338,11 +338,7 @@ def init_kv_cache(
   value_dim: int | None = None,
 ) -> KVCache:
   """Deprecated: ``jaxtopk.KVCache.create`` (same arguments)."""
-  warnings.warn(
-    "jaxtopk.init_kv_cache is deprecated; use jaxtopk.KVCache.create",
-    DeprecationWarning,
-    stacklevel=2,
-  )
+  _deprecation.warn("jaxtopk.init_kv_cache", "jaxtopk.KVCache.create")
   return KVCache.create(
     batch,
     max_len,
@@ -360,11 +356,9 @@ def kv_cache_update(cache: KVCache, key, value, *, num_steps=None) -> KVCache:
   Unlike ``KVCache.append`` it does not donate ``cache`` (it stays valid,
   and every call copies it, as before).
   """
-  warnings.warn(
-    "jaxtopk.kv_cache_update is deprecated; use jaxtopk.KVCache.append"
-    " (cache = cache.append(keys, values))",
-    DeprecationWarning,
-    stacklevel=2,
+  _deprecation.warn(
+    "jaxtopk.kv_cache_update",
+    "jaxtopk.KVCache.append (cache = cache.append(keys, values))",
   )
   return cache.append(key, value, num_steps=num_steps, donate=False)
 

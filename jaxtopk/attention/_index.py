@@ -44,12 +44,12 @@ Masked or unfilled positions are simply absent from every group.
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtopk import _deprecation
 from jaxtopk.attention import _decode
 from jaxtopk.attention import _kmeans
 from jaxtopk.attention import checks
@@ -694,11 +694,7 @@ def kv_index_update(
 
 
 def _deprecated(old: str, new: str) -> None:
-  warnings.warn(
-    f"jaxtopk.{old} is deprecated; use jaxtopk.{new}",
-    DeprecationWarning,
-    stacklevel=3,
-  )
+  _deprecation.warn(f"jaxtopk.{old}", f"jaxtopk.{new}", stacklevel=3)
 
 
 def _index_update_impl(index, key, value, num_steps):

@@ -7,8 +7,7 @@ here at the top. ``pallas_topk_attention`` / ``pallas_decode_attention``
 are the ops behind ``implementation='pallas'``.
 """
 
-import warnings
-
+from jaxtopk import _deprecation
 from jaxtopk.kernels import decode
 from jaxtopk.kernels import prefill
 from jaxtopk.kernels import select
@@ -70,30 +69,14 @@ __all__ = [
 
 # Old top-level aliases (one release, then removed): the kernel modules
 # name these without a prefix.
-_DEPRECATED = {
-  "BlockStatsSizes": ("stats.BlockSizes", stats.BlockSizes),
-  "DecodeSizes": ("decode.BlockSizes", decode.BlockSizes),
-  "SparseFlashSizes": ("sparse_flash.BlockSizes", sparse_flash.BlockSizes),
-  "sparse_flash_gathered_attention": (
-    "sparse_flash.gathered_attention",
-    sparse_flash.gathered_attention,
-  ),
-  "sparse_flash_kept_key_mask": (
-    "sparse_flash.kept_key_mask",
-    sparse_flash.kept_key_mask,
-  ),
-  "sparse_flash_visible_mask": ("stats.visible_mask", stats.visible_mask),
-}
-
-
-def __getattr__(name):
-  if name in _DEPRECATED:
-    new, obj = _DEPRECATED[name]
-    warnings.warn(
-      f"jaxtopk.kernels.{name} is deprecated (removed in 0.3); use"
-      f" jaxtopk.kernels.{new}",
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    return obj
-  raise AttributeError(f"module 'jaxtopk.kernels' has no attribute {name!r}")
+__getattr__ = _deprecation.moved(
+  "jaxtopk.kernels",
+  {
+    "BlockStatsSizes": "stats.BlockSizes",
+    "DecodeSizes": "decode.BlockSizes",
+    "SparseFlashSizes": "sparse_flash.BlockSizes",
+    "sparse_flash_gathered_attention": "sparse_flash.gathered_attention",
+    "sparse_flash_kept_key_mask": "sparse_flash.kept_key_mask",
+    "sparse_flash_visible_mask": "stats.visible_mask",
+  },
+)

@@ -12,9 +12,7 @@ processes on one machine over gloo CPU collectives) and
 start-up).
 """
 
-import importlib
-import warnings
-
+from jaxtopk import _deprecation
 from jaxtopk.parallel import flags
 from jaxtopk.parallel import launch
 from jaxtopk.parallel._compat import shard_map
@@ -97,24 +95,15 @@ __all__ = [
 
 # Names that moved to a submodule in 0.2.0: they work one more release, with
 # a DeprecationWarning.
-_MOVED = {
-  "ClusterError": "launch",
-  "LocalCluster": "launch",
-  "ProcessResult": "launch",
-  "free_port": "launch",
-  "launch_local": "launch",
-  "define_mesh_flag": "flags",
-  "define_distributed_flags": "flags",
-}
-
-
-def __getattr__(name):
-  if name in _MOVED:
-    where = f"jaxtopk.parallel.{_MOVED[name]}"
-    warnings.warn(
-      f"jaxtopk.parallel.{name} is deprecated; use {where}.{name}",
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    return getattr(importlib.import_module(where), name)
-  raise AttributeError(f"module 'jaxtopk.parallel' has no attribute {name!r}")
+__getattr__ = _deprecation.moved(
+  "jaxtopk.parallel",
+  {
+    "ClusterError": "launch.ClusterError",
+    "LocalCluster": "launch.LocalCluster",
+    "ProcessResult": "launch.ProcessResult",
+    "free_port": "launch.free_port",
+    "launch_local": "launch.launch_local",
+    "define_mesh_flag": "flags.define_mesh_flag",
+    "define_distributed_flags": "flags.define_distributed_flags",
+  },
+)

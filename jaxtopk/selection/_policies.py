@@ -33,7 +33,6 @@ so a field is either honoured or refused by name on every path.
 import dataclasses
 import functools
 import math
-import warnings
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -41,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtopk import _deprecation
 from jaxtopk.selection import _strategies
 from jaxtopk.selection._strategies import Auto
 from jaxtopk.selection._strategies import Box
@@ -352,12 +352,9 @@ class Certified(Policy):
     given = {k: v for k, v in given.items() if v is not None}
     made = _make_search(search, given)
     if given:
-      warnings.warn(
-        f"Certified({', '.join(f'{k}=' for k in given)}...) is deprecated"
-        f" (removed in 0.3): pass the strategy, Certified({eps!r},"
-        f" {made!r})",
-        DeprecationWarning,
-        stacklevel=2,
+      _deprecation.warn(
+        f"Certified({', '.join(f'{k}=' for k in given)}...)",
+        f"the strategy: Certified({eps!r}, {made!r})",
       )
     _post(self, "search", made)
     if max_topk is not None:
@@ -382,12 +379,7 @@ class Certified(Policy):
   @property
   def delta(self) -> float | None:
     """Deprecated (warns; removed in 0.3): ``failure_prob``."""
-    warnings.warn(
-      "Certified.delta is deprecated (removed in 0.3): use"
-      " Certified.failure_prob",
-      DeprecationWarning,
-      stacklevel=2,
-    )
+    _deprecation.warn("Certified.delta", "Certified.failure_prob")
     return self.search.failure_prob if self.search.needs_rng else None
 
   @property

@@ -12,11 +12,11 @@ and keys to skip blocks. The certificate comes from ``core``.
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 
+from jaxtopk import _deprecation
 from jaxtopk.selection import _policies
 from jaxtopk.selection import core
 from jaxtopk.selection import threshold
@@ -177,12 +177,7 @@ def rng_argument(rng, key, where: str):
     raise ValueError(
       f"{where} got rng= and its deprecated name key=: pass rng= only"
     )
-  warnings.warn(
-    f"{where}(key=...) is deprecated (removed in 0.3): pass the PRNG key"
-    " as rng=",
-    DeprecationWarning,
-    stacklevel=3,
-  )
+  _deprecation.warn(f"{where}(key=...)", "rng= for the PRNG key", stacklevel=3)
   return key
 
 

@@ -37,10 +37,11 @@ themselves to capability checks through ``features`` (see
 
 import dataclasses
 import math
-import warnings
 
 import jax
 import numpy as np
+
+from jaxtopk import _deprecation
 
 
 def as_int(field: str, value, *, minimum: int | None = None) -> int:
@@ -287,11 +288,7 @@ class MCSearch(SearchStrategy):
           f"MCSearch got failure_prob={failure_prob!r} and its deprecated"
           f" name delta={delta!r}: pass failure_prob only"
         )
-      warnings.warn(
-        "MCSearch(delta=...) is deprecated (removed in 0.3): use failure_prob=",
-        DeprecationWarning,
-        stacklevel=2,
-      )
+      _deprecation.warn("MCSearch(delta=...)", "failure_prob=")
       failure_prob = delta
     object.__setattr__(self, "block_size", block_size)
     self._check_block_size()
@@ -307,11 +304,7 @@ class MCSearch(SearchStrategy):
   @property
   def delta(self) -> float:
     """Deprecated (warns; removed in 0.3): ``failure_prob``."""
-    warnings.warn(
-      "MCSearch.delta is deprecated (removed in 0.3): use failure_prob",
-      DeprecationWarning,
-      stacklevel=2,
-    )
+    _deprecation.warn("MCSearch.delta", "MCSearch.failure_prob")
     return self.failure_prob
 
   @property
