@@ -31,7 +31,8 @@ _CI_EXAMPLES = (
   else 20
 )
 
-T, S, H, HKV, D = 5, 13, 2, 1, 3  # query rows, keys, heads, kv heads, dim
+# 7 rows: four tiles of 2, so two causal bands (a band holds >= 2 tiles).
+T, S, H, HKV, D = 7, 13, 2, 1, 3  # query rows, keys, heads, kv heads, dim
 SMALL = _prefill.BlockSizes(block_q=2, max_bands=2, first_round=1)
 
 # Magnitudes from subnormal to near overflow (XLA CPU flushes subnormals).
