@@ -37,7 +37,7 @@ def moved(module: str, table: dict[str, str]):
     if name not in table:
       raise AttributeError(f"module {module!r} has no attribute {name!r}")
     new = f"{module}.{table[name]}"
-    warn(f"{module}.{name}", new, stacklevel=2)
+    warn(f"{module}.{name}", new)
     where, _, attr = new.rpartition(".")
     return getattr(importlib.import_module(where), attr)
 

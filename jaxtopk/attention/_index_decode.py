@@ -184,8 +184,8 @@ def _full_decode(
     valid = valid & (pos >= 0) & (pos < limit[:, None, :, None])
   delta, _ = row_errors(q, qf, index, scale)
   norms = core.value_norms(v)[:, :, None]  # [b, hk, 1, n]
-  sel = internal.select_rows(
-    s, policy, valid=valid, norms=norms, logit_error=delta
+  keep = internal.keep_mask(
+    s, policy, valid & (s > -jnp.inf), logit_error=delta
   )
   n_valid = jnp.sum(valid, -1, dtype=jnp.int32)
 
@@ -196,7 +196,7 @@ def _full_decode(
 
   part = core.PartialSoftmax.from_logits(
     s,
-    sel.keep,
+    keep,
     valid,
     logit_error=delta,
     value_fn=value_fn,

@@ -122,6 +122,19 @@ class BlockwiseSoundnessTest(parameterized.TestCase):
 
 
 class BlockwiseBehaviourTest(parameterized.TestCase):
+  def test_causal_bands_hold_at_least_two_tiles(self):
+    for nt in range(1, 40):
+      for most in (1, 2, 3, 8):
+        bands = _prefill._bands(nt, most)
+        self.assertLessEqual(len(bands), most, (nt, most))
+        self.assertEqual(bands[0][0], 0)
+        self.assertEqual(bands[-1][1], nt)
+        for (_, a1), (b0, _) in zip(bands[:-1], bands[1:], strict=True):
+          self.assertEqual(a1, b0)  # consecutive, no gap
+        sizes = [i1 - i0 for i0, i1 in bands]
+        self.assertGreaterEqual(min(sizes), min(2, nt), (nt, most, bands))
+    self.assertEqual(_prefill._bands(4, 8), [(0, 2), (2, 4)])
+
   @pytest.mark.slow
   def test_tiles_agree_with_one_tile(self):
     # Tiling and bands change nothing for fixed-count policies.
