@@ -780,8 +780,8 @@ BY_NAME = {v.name: v for v in VARIANTS}
 # `valid & (s == thr)` came out False where one debug print of the three
 # showed valid True and s == thr True (FixedK cells kept 2 keys of 3; the same
 # inputs through `global_topk_keep` alone are right, and so are levels 2
-# and 3). These variants compile at jax's default level, the program users
-# run.
+# and 3). These variants compile at XLA's default backend level (the
+# level of the programs users run).
 _AT_JAX_DEFAULT_LEVEL = ("kv_sharded",)
 _JAX_DEFAULT_LEVEL = {
   "xla_backend_optimization_level": 3,

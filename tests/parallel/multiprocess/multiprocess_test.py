@@ -55,9 +55,6 @@ from tests.tolerances import tol
 _ROOT = pathlib.Path(__file__).resolve().parents[3]
 _TIMEOUT_S = 300  # per run; a healthy run takes 10-60 s on 2 cores
 _STOP_B = 3  # B stops (and checkpoints) after this Top-k step
-# XLA compilation is most of each process' CPU time; -O0 code generation
-# cuts it by a third (every run uses the same flags).
-_XLA_FLAGS = "--xla_backend_optimization_level=0"
 _INT_FIELDS = ("k_kept", "keys_scored", "valid", "length")
 # One prefill and one decode case of worker.py's (every process compiles
 # each): the KV positions split over all 8 devices, a count policy and
@@ -75,7 +72,6 @@ def _launch(out, num_processes, devices, *flags, distributed=None):
     cwd=_ROOT,
     log_dir=pathlib.Path(out, "logs"),
     distributed=distributed,
-    env={"XLA_FLAGS": _XLA_FLAGS},
   )
 
 
