@@ -28,7 +28,8 @@ Parts (``config.parts``; each writes its own rows, so parts can be added):
 - ``memory``: peak resident memory (``ru_maxrss``) of one causal
   ``Certified(eps, search=...)`` prefill of ``[1, seq, heads, head_dim]``,
   each in a fresh subprocess (compile included), with its time.
-- ``flax``: ``CertifiedTopKAttention`` (Dense, Certified) against
+- ``flax``: ``CertifiedTopKAttention`` (Dense, Certified, and Certified
+  with ``dense_above``: the training mode) against
   ``nnx.MultiHeadAttention`` with the same weights: causal forward, and a
   training step (gradient of a squared-output loss w.r.t. the parameters),
   each with the time of its first call (trace and compile included).
@@ -307,6 +308,10 @@ def run_flax(config):
   for name, policy in (
     ("topk_dense", jaxtopk.Dense()),
     ("topk_certified", jaxtopk.Certified(config.eps)),
+    (
+      "topk_certified_dense_above",
+      jaxtopk.Certified(config.eps, dense_above=config.flax.dense_above),
+    ),
   ):
     layer = topk_nn.CertifiedTopKAttention(
       policy=policy, rngs=nnx.Rngs(1), **kwargs
@@ -359,7 +364,7 @@ def run_flax(config):
         first_call_ratio_vs_mha=first[phase, n] / first[phase, ref_name],
       )
   out_ref = forward(ref, x)
-  for n in ("topk_dense", "topk_certified"):
+  for n in ("topk_dense", "topk_certified", "topk_certified_dense_above"):
     out = forward(layers[n], x)
     rows["forward"][n]["max_abs_diff_vs_mha"] = float(
       jnp.max(jnp.abs(out - out_ref))

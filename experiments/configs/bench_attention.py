@@ -42,6 +42,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.flax.seq = 1024
   c.flax.heads = 4
   c.flax.features = 256
+  # Certified(eps, dense_above=...): rows keeping this fraction keep all.
+  c.flax.dense_above = 0.5
   if arg == "smoke":
     c.repeats = 1
     c.prefill.seq = 64

@@ -69,6 +69,7 @@ FEATURES = frozenset(
     "bound=lowrank",
     "bound=codes",
     "max_topk",
+    "dense_above",
   }
 )
 
@@ -319,6 +320,19 @@ class Certified(Policy):
     max_topk: optional static cap on the kept set (fixed-shape outputs); a
       row that cannot meet eps within it keeps the ``max_topk`` largest
       scored logits and reports its true (larger) bound.
+    dense_above: optional fraction in (0, 1]. A row whose kept set would
+      hold at least this fraction of its real keys (a cheap lower bound on
+      the size of the set eps allows, ``threshold.kept_fraction_bound``)
+      keeps every real key instead: the dense row, which its certificate
+      shows (``k_kept`` every real key, ``tv_bound`` 0 up to rounding). Where
+      every row of a call (or of a prefill tile) is such a row, the
+      selection passes are skipped: a training mode that costs about what
+      dense costs while little can be dropped (e.g. at initialisation), and
+      selects once attention concentrates (with the default ``Auto``,
+      ``topk_attention`` then scores every key at once rather than searching
+      key blocks). Honoured where the kept set is chosen over scored logits
+      (``select``, ``topk_attention``'s XLA path); refused by name
+      elsewhere.
 
   Read-only views of the strategy's fields (None where the search has no
   such field): ``block_size``, ``num_samples``, ``bound`` (a ``KeyBound``),
@@ -328,6 +342,7 @@ class Certified(Policy):
   eps: float
   search: SearchStrategy
   max_topk: int | None
+  dense_above: float | None
   kind = "certified"
 
   def __init__(
@@ -340,6 +355,7 @@ class Certified(Policy):
     max_topk=None,
     bound=None,
     rank=None,
+    dense_above=None,
   ):
     _post(self, "eps", as_float("Certified.eps", eps, low=0, high=1))
     given = dict(
@@ -360,6 +376,11 @@ class Certified(Policy):
     if max_topk is not None:
       max_topk = as_int("Certified.max_topk", max_topk, minimum=1)
     _post(self, "max_topk", max_topk)
+    if dense_above is not None:
+      dense_above = as_float(
+        "Certified.dense_above", dense_above, low=0, high=1, high_open=False
+      )
+    _post(self, "dense_above", dense_above)
 
   def features(self) -> tuple[tuple[str, object, str], ...]:
     out = [("Certified", self, "policy=Certified")]
@@ -370,6 +391,8 @@ class Certified(Policy):
       )
     if self.max_topk is not None:
       out.append(("Certified.max_topk", self.max_topk, "max_topk"))
+    if self.dense_above is not None:
+      out.append(("Certified.dense_above", self.dense_above, "dense_above"))
     return tuple(out)
 
   @property

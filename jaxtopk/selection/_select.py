@@ -77,7 +77,14 @@ def keep_mask(
   # A budget relative to the row's mass (Z_S + U): the threshold's first
   # histogram pass gives Z_S, no separate log-sum-exp pass.
   log_frac = jnp.log(jnp.asarray(policy.eps, s.dtype)) - margin
-  keep = threshold.budget_mask(s, log_frac, real, log_extra, relative=True)
+  keep = threshold.budget_mask(
+    s,
+    log_frac,
+    real,
+    log_extra,
+    relative=True,
+    dense_above=policy.dense_above,
+  )
   if policy.max_topk is not None and policy.max_topk < n:
     capped = threshold.topk_mask(s, policy.max_topk, real)
     over = jnp.sum(keep, -1) > policy.max_topk

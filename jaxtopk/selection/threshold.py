@@ -228,6 +228,7 @@ def budget_threshold(
   n_total: int | None = None,
   num_bins: int = NUM_BINS,
   levels: int = LEVELS,
+  dense_above: float | None = None,
 ):
   """Largest t whose dropped mass fits a budget: keep ``logits >= t``.
 
@@ -262,13 +263,19 @@ def budget_threshold(
       the size of ``axis_name``).
     num_bins: static bins per pass (>= 2).
     levels: static number of passes (>= 1).
+    dense_above: optional static fraction in (0, 1]: a row whose first pass
+      shows that it keeps at least this fraction of its valid keys (the keys
+      in the bins before the boundary bin are kept whatever the later passes
+      find) gets -inf, keep every key; where every row is such a row, the
+      later passes are skipped (``Certified.dense_above``).
 
   Returns:
     ``[...]`` threshold t in the logits' dtype: +inf when every key may be
     dropped (the budget covers the row), -inf when even keeping every key
     does not meet it (extra too large), when the relative budget is below
     n_total times the smallest normal (flushed masses cannot be told apart
-    from it: every key is kept), or the row has no finite maximum.
+    from it: every key is kept), when ``dense_above`` says so, or the row
+    has no finite maximum.
   """
   s = lax.stop_gradient(jnp.asarray(logits))
   dt = s.dtype
@@ -297,15 +304,9 @@ def budget_threshold(
   gap = jnp.where(good, mm[..., None] - s, jnp.inf)  # >= 0; inf: no mass
   mass = jnp.where(good, jnp.exp(-gap), 0.0)
   last = num_bins - 1
-  lo = jnp.zeros(m.shape, dt)  # lower gap edge of the current bin
-  dropped = None  # mass of the bins after each boundary bin (dropped)
-  allowed = None
-  inside = good
-  # Whether the current bin is open-ended: the last bin of each pass also
-  # holds every gap past its range (clipped), so while every boundary so
-  # far was a last bin, "drop nothing more" means keeping all of them.
-  open_end = jnp.ones(m.shape, bool)
-  for level in range(levels):
+
+  def level_pass(level, lo, inside):
+    """One histogram pass: bins of the gaps in [lo, lo + w num_bins)."""
     w = width / num_bins**level
     pos = jnp.floor((gap - lo[..., None]) / w[..., None])
     b = jnp.clip(pos, 0, last).astype(jnp.int32)
@@ -313,30 +314,81 @@ def budget_threshold(
     hist = row_histogram(
       jnp.where(inside, mass, 0.0), b, num_bins, axis_name=axis_name
     )
-    tail = _suffix_sum(hist)  # [..., nb + 1]
-    if level == 0:
-      total = tail[..., 0]
-      if relative:
-        allowed = jnp.exp(lb) * (total + extra) - extra
-      else:
-        allowed = jnp.exp(lb - mm) - extra
-      dropped = jnp.zeros(m.shape, dt)
-      j_star = _first_true(tail <= allowed[..., None])  # 0 .. nb + 1
-      first = j_star
-    else:
-      j_star = _first_true(tail + dropped[..., None] <= allowed[..., None])
-    bnd = jnp.clip(j_star - 1, 0, last)
-    if level + 1 < levels:
-      dropped = (
-        dropped + jnp.take_along_axis(tail, bnd[..., None] + 1, -1)[..., 0]
-      )
-      lo = lo + bnd.astype(dt) * w
-      inside = inside & (b == bnd[..., None])
-      open_end = open_end & (bnd == last)
-    else:
-      cut = lo + jnp.minimum(j_star, num_bins).astype(dt) * w
+    return w, b, _suffix_sum(hist)  # tail: [..., nb + 1]
+
+  def allowed_of(total):
+    """The dropped mass allowed, relative to the max."""
+    if relative:
+      return jnp.exp(lb) * (total + extra) - extra
+    return jnp.exp(lb - mm) - extra
+
+  def histogram_cut():
+    """``(cut, first)``: the cut in gap units, and level 0's boundary."""
+    w, b, tail = level_pass(0, jnp.zeros(m.shape, dt), good)
+    allowed = allowed_of(tail[..., 0])  # tail[..., 0]: the row's mass
+    first = _first_true(tail <= allowed[..., None])  # 0 .. nb + 1
+
+    def refine():
+      """Levels 1.. inside each boundary bin; the final cut."""
+      w_, b_, tail_, j_star = w, b, tail, first
+      lo = jnp.zeros(m.shape, dt)  # lower gap edge of the current bin
+      dropped = jnp.zeros(m.shape, dt)  # mass of the bins after it
+      inside = good
+      # Whether the current bin is open-ended: the last bin of each pass
+      # also holds every gap past its range (clipped), so while every
+      # boundary so far was a last bin, "drop nothing more" means keeping
+      # all of them.
+      open_end = jnp.ones(m.shape, bool)
+      for level in range(1, levels):
+        bnd = jnp.clip(j_star - 1, 0, last)
+        dropped = (
+          dropped + jnp.take_along_axis(tail_, bnd[..., None] + 1, -1)[..., 0]
+        )
+        lo = lo + bnd.astype(dt) * w_
+        inside = inside & (b_ == bnd[..., None])
+        open_end = open_end & (bnd == last)
+        w_, b_, tail_ = level_pass(level, lo, inside)
+        j_star = _first_true(tail_ + dropped[..., None] <= allowed[..., None])
+      cut = lo + jnp.minimum(j_star, num_bins).astype(dt) * w_
       # Nothing of an open-ended bin dropped: its clipped gaps are kept too.
-      cut = jnp.where(open_end & (j_star >= num_bins), jnp.inf, cut)
+      return jnp.where(open_end & (j_star >= num_bins), jnp.inf, cut)
+
+    if dense_above is None:
+      return refine(), first
+    # The keys of the bins before the boundary bin are kept whatever the
+    # later passes find: rows where they are most of the row keep all.
+    edge = jnp.clip(first - 1, 0, last).astype(dt) * w
+    sure = _psum(
+      jnp.sum(good & (gap < edge[..., None]), -1, dtype=jnp.int32), axis_name
+    )
+    dense = sure.astype(dt) >= dense_above * n_good
+    cut = lax.cond(
+      jnp.all(dense), lambda: jnp.full(m.shape, jnp.inf, dt), refine
+    )
+    return cut, jnp.where(dense & (first > 0), num_bins + 1, first)
+
+  if dense_above is None:
+    cut, first = histogram_cut()
+  else:
+    # Before any histogram, one pass: a kept set K must hold the mass
+    # `need` (relative to the max), and by Cauchy-Schwarz
+    # need^2 <= |K| sum_K mass^2, so |K| >= need^2 / sum(mass^2). Rows
+    # where that is most of the row keep every key; where all are such rows,
+    # no histogram pass runs.
+    n_good = _psum(jnp.sum(good, -1, dtype=jnp.int32), axis_name).astype(dt)
+    z = _psum(jnp.sum(mass, -1), axis_name)
+    z2 = _psum(jnp.sum(mass * mass, -1), axis_name)
+    need = z - allowed_of(z)
+    sq = need * need >= dense_above * n_good * z2
+    cut, first = lax.cond(
+      jnp.all(sq),
+      lambda: (
+        jnp.full(m.shape, jnp.inf, dt),
+        jnp.full(m.shape, num_bins + 1, jnp.int32),
+      ),
+      histogram_cut,
+    )
+    first = jnp.where(sq, num_bins + 1, first)
   # The bins were read from fl(M - s); callers compare s >= t. Lowered by a
   # few ulps so that every key a bin counted as kept is kept (the rounding
   # of M - s, of the bin index and of M - cut may disagree at the edge):
@@ -395,7 +447,15 @@ def topk_mask(logits, topk, valid) -> jax.Array:
   return (above | keep_ties) & (topk > 0)[..., None]
 
 
-def budget_mask(logits, log_budget, valid, log_extra=None, *, relative=False):
+def budget_mask(
+  logits,
+  log_budget,
+  valid,
+  log_extra=None,
+  *,
+  relative=False,
+  dense_above=None,
+):
   """Smallest kept set (up to one finest bin) whose dropped mass fits a budget.
 
   THEORY 6.1: keeps ``valid & (logits >= budget_threshold(...))``, i.e.
@@ -410,14 +470,19 @@ def budget_mask(logits, log_budget, valid, log_extra=None, *, relative=False):
     valid: ``[..., n]`` bool.
     log_extra: optional ``[...]`` log of mass that is dropped regardless
       (e.g. unscored blocks in Delta-Search); -inf when None.
-    relative: see ``budget_threshold``.
+    relative, dense_above: see ``budget_threshold``.
 
   Returns:
     ``[..., n]`` bool keep mask.
   """
   s = jnp.asarray(logits)
   t = budget_threshold(
-    s, log_budget, valid, relative=relative, log_extra=log_extra
+    s,
+    log_budget,
+    valid,
+    relative=relative,
+    log_extra=log_extra,
+    dense_above=dense_above,
   )
   return valid & (s >= t[..., None])
 

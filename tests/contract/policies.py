@@ -4,8 +4,8 @@ One line per policy; together they use every field of every policy
 (``Policy.features``): the four fixed-count policies, and ``Certified`` with
 each search strategy (the default Auto, which every path honours at least
 as the exact search; Delta-Search with the box, the low-rank and the
-key-code bound; MC-Search), each with its own fields set, and
-``max_topk``. A policy
+key-code bound; MC-Search), each with its own fields set, ``max_topk``
+and ``dense_above``. A policy
 joins by adding one line. Block sizes are 4 so that block-granular paths
 (Pallas, Delta-/MC-Search) really keep or drop blocks of the 7-key rows.
 """
@@ -25,6 +25,10 @@ POLICIES = (
     jaxtopk.Certified(0.02, jaxtopk.Auto(block_size=BLOCK), max_topk=4),
   ),
   ("cert_delta", jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=BLOCK))),
+  (
+    "cert_dense_above",
+    jaxtopk.Certified(0.1, jaxtopk.Auto(block_size=BLOCK), dense_above=0.5),
+  ),
   (
     "cert_delta_cap",
     jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(block_size=BLOCK), max_topk=4),

@@ -47,6 +47,21 @@ class ValidationTest(parameterized.TestCase):
     ("rank", lambda: LowRank(0), "LowRank.rank=0"),
     ("max_topk", lambda: jaxtopk.Certified(0.1, max_topk=0), "max_topk=0"),
     ("max_topk_bool", lambda: jaxtopk.Certified(0.1, max_topk=True), "True"),
+    (
+      "dense_above_zero",
+      lambda: jaxtopk.Certified(0.1, dense_above=0),
+      r"Certified.dense_above=0.0 must be in \(0, 1\]",
+    ),
+    (
+      "dense_above_big",
+      lambda: jaxtopk.Certified(0.1, dense_above=1.5),
+      "dense_above=1.5",
+    ),
+    (
+      "dense_above_bool",
+      lambda: jaxtopk.Certified(0.1, dense_above=True),
+      "dense_above=True",
+    ),
     ("bound", lambda: jaxtopk.Certified(0.1, "delta", bound="x"), "'x'"),
     # A field the search does not read is refused by name.
     ("delta_on_exact", lambda: jaxtopk.Certified(0.1, delta=0.05), "delta"),
@@ -291,6 +306,11 @@ class CapabilityTest(parameterized.TestCase):
       r"Certified.bound=LowRank\(rank=16\) is not supported",
     ),
     ("policy", jaxtopk.FixedK(3), r"FixedK\(topk=3\) is not supported"),
+    (
+      "dense_above",
+      jaxtopk.Certified(0.01, dense_above=0.5),
+      r"Certified.dense_above=0.5 is not supported",
+    ),
   )
   def test_require_names_field_and_value(self, policy, fragment):
     caps = capabilities(

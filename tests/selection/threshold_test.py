@@ -266,6 +266,83 @@ class BudgetThresholdTest(parameterized.TestCase):
     np.testing.assert_array_equal(t, [-np.inf, -np.inf])
 
 
+class DenseAboveTest(parameterized.TestCase):
+  """``budget_threshold(dense_above=...)``: rows that keep most keep all."""
+
+  def _both(self, s, valid, frac=0.05, **kw):
+    fn = jax.jit(
+      threshold.budget_threshold,
+      static_argnames=("relative", "dense_above"),
+    )
+    plain = np.asarray(fn(s, np.log(frac), valid, relative=True, **kw))
+    dense = np.asarray(
+      fn(s, np.log(frac), valid, relative=True, dense_above=0.5, **kw)
+    )
+    return plain, dense
+
+  @given(_rows, _masks, st.sampled_from([0.01, 0.05, 0.3]))
+  def test_keeps_a_superset_and_all_or_the_same(self, s, valid, frac):
+    # Per row: every valid key (t = -inf), or exactly the plain threshold.
+    plain, dense = self._both(s, valid, frac)
+    for r in range(3):
+      if dense[r] != plain[r]:
+        self.assertEqual(dense[r], -np.inf, (s[r], valid[r]))
+
+  @parameterized.named_parameters(
+    # Flat rows: the one-pass (Cauchy-Schwarz) test decides, no histogram.
+    ("flat", 0.5, True),
+    # Logit sd 1 (e^-1 n: too few for the one-pass test at 0.5): the first
+    # histogram pass decides, the later ones are skipped.
+    ("sd1", 1.0, True),
+    # Peaked rows keep few keys: unchanged.
+    ("peaked", 6.0, False),
+  )
+  def test_rows_by_spread(self, sd, all_kept):
+    s = sd * rand.normal(0, (4, 1024))
+    valid = np.ones(s.shape, bool)
+    plain, dense = self._both(s, valid)
+    if all_kept:
+      np.testing.assert_array_equal(dense, -np.inf)
+      self.assertTrue(np.all(plain > -np.inf))  # the plain set drops some
+    else:
+      np.testing.assert_array_equal(dense, plain)
+
+  def test_mixed_rows_decide_each_row(self):
+    s = np.concatenate(
+      [0.5 * rand.normal(0, (2, 512)), 6.0 * rand.normal(1, (2, 512))]
+    )
+    plain, dense = self._both(s, np.ones(s.shape, bool))
+    np.testing.assert_array_equal(dense[:2], -np.inf)
+    np.testing.assert_array_equal(dense[2:], plain[2:])
+
+  def test_extra_and_empty_rows(self):
+    # An extra too large for any kept set keeps all either way; an empty
+    # row drops everything either way.
+    s = rand.normal(2, (2, 64))
+    valid = np.ones(s.shape, bool)
+    valid[1] = False
+    plain, dense = self._both(s, valid, log_extra=np.array([5.0, 0.0]))
+    np.testing.assert_array_equal(plain, [-np.inf, np.inf])
+    np.testing.assert_array_equal(dense, plain)
+
+  def test_sharded_equals_single_device(self):
+    s = np.concatenate(
+      [0.5 * rand.normal(3, (2, 120)), 6.0 * rand.normal(4, (2, 120))]
+    )
+    valid = rand.bernoulli(5, 0.9, s.shape)
+    kw = dict(relative=True, dense_above=0.5)
+    one = threshold.budget_threshold(s, jnp.log(0.05), valid, **kw)
+    fn = jax.vmap(
+      lambda a, b: threshold.budget_threshold(
+        a, jnp.log(0.05), b, axis_name="kv", **kw
+      ),
+      axis_name="kv",
+    )
+    got = fn(_split(s, 3), _split(valid, 3))
+    np.testing.assert_allclose(got[0], one, rtol=1e-6)
+    self.assertEqual(int(np.sum(np.isneginf(one))), 2)
+
+
 class MaskIndicesTest(parameterized.TestCase):
   @parameterized.product(
     n=(1, 7, 96, 1024), size=(1, 5, 40, 1030), strided=(True, False)
