@@ -281,12 +281,20 @@ class DenseAboveTest(parameterized.TestCase):
     return plain, dense
 
   @given(_rows, _masks, st.sampled_from([0.01, 0.05, 0.3]))
-  def test_keeps_a_superset_and_all_or_the_same(self, s, valid, frac):
-    # Per row: every valid key (t = -inf), or exactly the plain threshold.
+  def test_keeps_all_or_the_plain_set(self, s, valid, frac):
+    # Per row: every valid key (t = -inf), or the plain threshold's kept
+    # set, up to keys at its edge (the passes may round differently inside
+    # the skipping branch, e.g. at jax's default compile level).
     plain, dense = self._both(s, valid, frac)
     for r in range(3):
-      if dense[r] != plain[r]:
-        self.assertEqual(dense[r], -np.inf, (s[r], valid[r]))
+      if dense[r] == -np.inf or not valid[r].any():
+        continue
+      v = s[r][valid[r]].astype(np.float64)
+      keep_p, keep_d = v >= plain[r], v >= dense[r]
+      edge = np.abs(v - plain[r]) <= 1e-4 * (1 + np.abs(v))
+      np.testing.assert_array_equal(
+        keep_d[~edge], keep_p[~edge], str((s[r], valid[r]))
+      )
 
   @parameterized.named_parameters(
     # Flat rows: the one-pass (Cauchy-Schwarz) test decides, no histogram.
@@ -304,8 +312,8 @@ class DenseAboveTest(parameterized.TestCase):
     if all_kept:
       np.testing.assert_array_equal(dense, -np.inf)
       self.assertTrue(np.all(plain > -np.inf))  # the plain set drops some
-    else:
-      np.testing.assert_array_equal(dense, plain)
+    else:  # (up to the rounding of a differently compiled branch)
+      np.testing.assert_allclose(dense, plain, rtol=1e-6)
 
   def test_mixed_rows_decide_each_row(self):
     s = np.concatenate(
@@ -313,7 +321,7 @@ class DenseAboveTest(parameterized.TestCase):
     )
     plain, dense = self._both(s, np.ones(s.shape, bool))
     np.testing.assert_array_equal(dense[:2], -np.inf)
-    np.testing.assert_array_equal(dense[2:], plain[2:])
+    np.testing.assert_allclose(dense[2:], plain[2:], rtol=1e-6)
 
   def test_extra_and_empty_rows(self):
     # An extra too large for any kept set keeps all either way; an empty
