@@ -22,8 +22,9 @@ a ``[q_len, kv_len]`` mask.
 Two engines, one per kind of policy:
 
 - Scan-all (``Dense``, ``FixedK``, ``Ratio``, ``PowerLaw``,
-  ``Certified(search=Exact())``, and ``Certified(eps, dense_above=f)`` with
-  the default ``Auto``): a tile scores every key it can see (one
+  ``Certified(search=Exact())``, and the default ``Auto`` up to
+  ``AUTO_SCAN_BLOCKS`` key blocks or with ``dense_above``): a tile scores
+  every key it can see (one
   einsum), chooses its kept set by the policy's rule over those logits
   (exactly the kept set of ``jaxtopk.select`` on the same logits: ties of
   fixed counts broken by key index, Certified minimal up to ties at the
@@ -33,10 +34,10 @@ Two engines, one per kind of policy:
   and a band's tiles score only the keys its last row can see (a band of
   ``w`` tiles wastes at most ``w - 1`` tiles' worth of keys).
 - Block search (``Certified(search=DeltaSearch(...))``, and the default
-  ``Certified(eps)``, ``Auto``: where the box bounds cannot rule a block
-  out, the rounds score it anyway, so a flat tile ends up scoring every key
-  it sees, at about the cost of the scan-all engine, measured in
-  experiments/bench_attention.py):
+  ``Certified(eps)``, ``Auto``, on longer rows: where the box bounds cannot
+  rule a block out, the rounds score it anyway, so a flat tile ends up
+  scoring every key it sees, at about the cost of the scan-all engine,
+  measured in experiments/bench_attention.py):
   Delta-Search (THEORY 6.2) at TILE granularity. Keys are cut into blocks of
   ``Certified.block_size``; every block has a box summary (THEORY 3.3) that
   bounds the logit of each of its keys for each row of the tile (widened by
@@ -141,16 +142,26 @@ class BlockSizes:
 _SUMMARY_BLOCK = 64
 
 
-def kind_of(policy) -> str:
+# ``Auto`` scores every key at once (the scan-all engine) up to this many
+# key blocks: there the tile search saves nothing and compiles more
+# (causal, B=1, 4 heads, T = 1,024, 16 blocks of 64: 38-41 ms against 43 ms
+# on flat and concentrated rows, first call 2.6-3.0 s against 4.1-4.9 s; at
+# T = 2,048 the search wins on concentrated rows, 101 ms against 127 ms).
+AUTO_SCAN_BLOCKS = 16
+
+
+def kind_of(policy, kv_len: int) -> str:
   """'dense', 'count', 'exact' or 'search': which engine and rule run."""
   if policy.kind != "certified":
     return policy.kind
   if policy.search.name == "auto":
-    # The tile search, which scores every block where needed; with
-    # dense_above (training: rows expected to keep most keys) scoring every
-    # key at once costs less (Flax layer, seq 1,024: forward 1.37x
-    # nnx.MultiHeadAttention against 1.74x through the search).
-    return "exact" if policy.dense_above is not None else "search"
+    # The tile search, which scores every block where needed, past
+    # AUTO_SCAN_BLOCKS blocks; with dense_above (training: rows expected to
+    # keep most keys) scoring every key at once costs less (Flax layer, seq
+    # 1,024: forward 1.37x nnx.MultiHeadAttention against 1.74x through the
+    # search).
+    few = kv_len <= AUTO_SCAN_BLOCKS * policy.block_size
+    return "exact" if few or policy.dense_above is not None else "search"
   return "exact" if policy.scores_all else "search"
 
 
@@ -745,7 +756,7 @@ def blockwise_attention(
   bsz = block_sizes or BlockSizes.get_default()
   b, t, h, d = query.shape
   s, hk = key.shape[1], key.shape[2]
-  kind = kind_of(policy)
+  kind = kind_of(policy, key.shape[1])
   bs = policy.block_size if kind == "search" else min(_SUMMARY_BLOCK, s)
   bq = min(bsz.block_q, t)
   if window is not None:  # beyond the sequences a window changes nothing
