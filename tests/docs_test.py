@@ -48,7 +48,12 @@ class DocsTest(parameterized.TestCase):
       exec(compile(source, "docs", "exec"), {})  # noqa: S102
       return
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(_ROOT))
-    env.pop("XLA_FLAGS", None)  # the program sets its own devices
+    # The program adds its own device count; the tests' other flags stay.
+    env["XLA_FLAGS"] = " ".join(
+      f
+      for f in env.get("XLA_FLAGS", "").split()
+      if not f.startswith("--xla_force_host_platform_device_count")
+    )
     proc = subprocess.run(
       [sys.executable, "-c", source],
       env=env,
