@@ -87,6 +87,7 @@ from jax.scipy.special import logsumexp
 from jaxtopk import theory
 from jaxtopk.selection import core
 from jaxtopk.selection import internal
+from jaxtopk.selection.threshold import RESIDUAL
 
 HIGHEST = core.PRECISION  # full float32 products (the bounds assume it)
 
@@ -802,7 +803,11 @@ def blockwise_attention(
         lse = core.log_sum_exp_residual(part.log_head, cert.valid, empty)
       return o, cert, lse, keep
 
-    return jax.checkpoint(one)
+    # The backward recomputes a tile, but keeps its rows' budget thresholds
+    # (a few floats per row) rather than running the histogram passes again.
+    return jax.checkpoint(
+      one, policy=jax.checkpoint_policies.save_only_these_names(RESIDUAL)
+    )
 
   if kind == "search":
     groups = [((0, plan.nt), functools.partial(_search_tile, ctx))]

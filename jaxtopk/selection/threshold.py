@@ -50,6 +50,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtopk.selection import core
 
@@ -57,6 +58,10 @@ NUM_BINS = 64  # bins per budget histogram pass
 LEVELS = 3  # budget histogram passes (coarse + 2 refinements)
 DIGIT_BITS = 8  # bits per radix pass of topk_threshold
 GROUP = 32  # positions per strided group of mask_indices / column_max
+# The checkpoint name of every budget threshold (``jax.checkpoint``
+# policies: ``save_only_these_names(RESIDUAL)`` keeps the [rows] thresholds,
+# not the histograms).
+RESIDUAL = "jaxtopk_threshold"
 
 
 def _psum(x, axis_name):
@@ -405,7 +410,10 @@ def budget_threshold(
     float(jnp.finfo(dt).tiny)
   )
   t = jnp.where(log_rel < floor, -jnp.inf, t)
-  return jnp.where(ok_m, t, jnp.where(m == -jnp.inf, jnp.inf, -jnp.inf))
+  t = jnp.where(ok_m, t, jnp.where(m == -jnp.inf, jnp.inf, -jnp.inf))
+  # Named, so that a rematerialising caller can keep it for the backward
+  # pass (``RESIDUAL``) instead of running the passes again.
+  return checkpoint_name(t, RESIDUAL)
 
 
 def _tie_rank(tie):
