@@ -48,12 +48,8 @@ class DocsTest(parameterized.TestCase):
       exec(compile(source, "docs", "exec"), {})  # noqa: S102
       return
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(_ROOT))
-    # The program adds its own device count; the tests' other flags stay.
-    env["XLA_FLAGS"] = " ".join(
-      f
-      for f in env.get("XLA_FLAGS", "").split()
-      if not f.startswith("--xla_force_host_platform_device_count")
-    )
+    # The program appends its own device count to XLA_FLAGS (the last
+    # occurrence of a flag wins); the tests' flags stay.
     proc = subprocess.run(
       [sys.executable, "-c", source],
       env=env,

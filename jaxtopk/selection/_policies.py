@@ -321,9 +321,10 @@ class Certified(Policy):
       row that cannot meet eps within it keeps the ``max_topk`` largest
       scored logits and reports its true (larger) bound.
     dense_above: optional fraction in (0, 1]. A row whose kept set would
-      hold at least this fraction of its real keys (a cheap lower bound on
-      the size of the set eps allows, ``threshold.kept_fraction_bound``)
-      keeps every real key instead: the dense row, which its certificate
+      hold at least this fraction of its real keys (a lower bound on the
+      size of the set eps allows, from one Cauchy-Schwarz pass or the first
+      histogram pass of ``threshold.budget_threshold``) keeps every real
+      key instead: the dense row, which its certificate
       shows (``k_kept`` every real key, ``tv_bound`` 0 up to rounding). Where
       every row of a call (or of a prefill tile) is such a row, the
       selection passes are skipped: a training mode that costs about what
