@@ -7,6 +7,7 @@ skipping.
 """
 
 import glob
+import importlib.metadata
 import os
 
 
@@ -30,13 +31,20 @@ if not _has_accelerator():
 # (tests/contract/variants.py). Set JAX_DISABLE_MOST_OPTIMIZATIONS=0 to test
 # the programs users run (jax's defaults; do, before a release and when
 # soaking); benchmarks and experiments always run at jax's defaults. Set in
-# the environment, so the subprocesses some tests start inherit it.
+# the environment, so the subprocesses some tests start inherit it. The
+# emitter flag is set on CPU-only machines with jaxlib < 0.11 only: jaxlib
+# 0.11.2 with its CUDA plugin aborts on it as an unknown flag.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 _FAST_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 _flags = os.environ.get("XLA_FLAGS", "")
+_jaxlib = tuple(
+  int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]
+)
 if (
   os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] not in ("0", "false", "False")
   and "--xla_cpu_use_fusion_emitters" not in _flags
+  and _jaxlib < (0, 11)
+  and not _has_accelerator()
 ):
   os.environ["XLA_FLAGS"] = f"{_flags} {_FAST_EMITTERS}".strip()
 

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jaxtopk.attention import KVCache
 from jaxtopk.attention import checks
 from jaxtopk.attention import registry
+from jaxtopk.kernels import _common
 from jaxtopk.kernels import _decode
 from jaxtopk.kernels import _prefill
 from jaxtopk.kernels import _sparse_flash
@@ -52,6 +53,18 @@ DECODE_SUPPORTS = capabilities(
   "policy=Dense", "policy=Certified", "search=delta", "bound=box", "max_topk"
 )
 _DENSE_BLOCK = 128
+
+
+def _prefill_supports(policy) -> frozenset[str]:
+  """``PREFILL_SUPPORTS``, less Certified where the compiled GPU kernels
+  cannot tile its ``block_size`` (Triton: powers of 2 >= 16)."""
+  if (
+    policy.kind == "certified"
+    and _common.resolve_backend(None) == "gpu"
+    and not _common.triton_block_ok(policy.block_size)
+  ):
+    return PREFILL_SUPPORTS - {"policy=Certified"}
+  return PREFILL_SUPPORTS
 
 
 def _interpret() -> bool:
@@ -228,7 +241,7 @@ PREFILL_OP = registry.AttentionOp(
   kind="prefill",
   fn=_registered_prefill,
   label=PREFILL,
-  supports=PREFILL_SUPPORTS,
+  supports_fn=_prefill_supports,
   arguments=frozenset({"mask", "is_causal", "key_value_seq_lengths"}),
   masks="padding",
 )

@@ -86,14 +86,19 @@ def triton_width(n: int) -> int:
   return max(TRITON_MIN_WIDTH, 1 << max(n - 1, 0).bit_length())
 
 
-def check_gpu_block(name: str, value: int, minimum: int = TRITON_MIN_WIDTH):
-  """Refuses a ``'gpu'`` tile size Triton cannot lower, by name.
+def triton_block_ok(value: int, minimum: int = TRITON_MIN_WIDTH) -> bool:
+  """Whether Triton lowers a tile of ``value`` (a power of 2 >= ``minimum``).
 
   Tiles are array dims inside the kernel, so they must be powers of 2 (the
   head dims are padded instead); a tile that is a ``dot`` operand's row
   count must also be at least 16.
   """
-  if value < minimum or value & (value - 1):
+  return value >= minimum and not value & (value - 1)
+
+
+def check_gpu_block(name: str, value: int, minimum: int = TRITON_MIN_WIDTH):
+  """Refuses a ``'gpu'`` tile size Triton cannot lower, by name."""
+  if not triton_block_ok(value, minimum):
     raise ValueError(
       f"{name}={value} must be a power of 2 >= {minimum} on the 'gpu'"
       " backend (the Pallas Triton lowering needs power-of-2 arrays)"

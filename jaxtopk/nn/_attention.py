@@ -36,6 +36,7 @@ raise: its key and value are not written and its rows are invalid
 (``core.mark_invalid``: valid False, float fields NaN, zero output).
 """
 
+import dataclasses
 import math
 from typing import Any
 
@@ -327,6 +328,8 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
     return jnp.reshape(x, (*self._cache_batch, *x.shape[1:]))
 
   def _refuse_set(self, name, value):
+    if isinstance(value, dataclasses.Field):  # nnx.data(None), unresolved
+      value = value.metadata.get("nnx_value", value)
     if value is not None:
       raise AttributeError(
         f"{name} is a read-only view of kv_cache (a jaxtopk.KVCache); use "

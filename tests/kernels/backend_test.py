@@ -1,5 +1,7 @@
 """implementation='pallas' of topk_attention / decode_attention vs 'xla'."""
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,6 +128,20 @@ class PallasTopkAttentionTest(base.KernelTestCase):
           implementation="pallas",
           **{name: value},
         )
+
+  def test_gpu_refuses_block_sizes_triton_cannot_tile(self):
+    # Compiled on a GPU, key blocks are Triton arrays: powers of 2 >= 16.
+    # The op refuses other Certified.block_size values, so that
+    # implementation=("pallas", "xla") falls through to XLA.
+    op = jaxtopk.attention.registry.OPS["pallas_prefill"]
+    small = jaxtopk.Certified(0.1, jaxtopk.Auto(block_size=4))
+    with mock.patch.object(jax, "default_backend", return_value="gpu"):
+      self.assertNotIn("policy=Certified", op.supported(small))
+      self.assertIn("policy=Certified", op.supported(jaxtopk.Certified(0.1)))
+      self.assertIsInstance(op.refusal(small), NotImplementedError)
+    for platform in ("cpu", "tpu"):  # interpret mode; Mosaic tiles
+      with mock.patch.object(jax, "default_backend", return_value=platform):
+        self.assertIn("policy=Certified", op.supported(small))
 
   def test_key_value_seq_lengths_are_key_padding(self):
     q, k, v, _ = self._inputs()

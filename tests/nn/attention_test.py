@@ -230,6 +230,10 @@ class DecodeTest(parameterized.TestCase):
     np.testing.assert_array_equal(layer.cached_value[:, 2:], 0.0)
     with self.assertRaisesRegex(AttributeError, "read-only"):
       layer.cached_key = key
+    # Flax >= 0.12.10's constructor hands the setter nnx.data(None) itself.
+    type(layer).cached_key.fset(layer, nnx.data(None))
+    with self.assertRaisesRegex(AttributeError, "read-only"):
+      type(layer).cached_value.fset(layer, nnx.data(key))
 
   def test_decode_with_padding_mask_matches_forward(self):
     layer, _ = _pair(jaxtopk.FixedK(3))
