@@ -11,6 +11,7 @@ from jaxtopk import parallel
 from jaxtopk import theory
 from jaxtopk.attention import IndexedKVCache
 from jaxtopk.attention import KVCache
+from jaxtopk.attention import PagedKVCache
 from jaxtopk.attention import build_kv_index
 from jaxtopk.attention import certify_selection
 from jaxtopk.attention import decode_attention
@@ -65,6 +66,7 @@ __all__ = [
   "kv_index_from_cache",
   "kv_index_update",
   "KVCache",
+  "PagedKVCache",
   "LowRank",
   "MCSearch",
   "merge_attention",

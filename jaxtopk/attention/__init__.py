@@ -17,6 +17,7 @@ from jaxtopk.attention._index_search import group_upper_bounds
 from jaxtopk.attention._index_selection import certify_selection
 from jaxtopk.attention._index_selection import grow_selection
 from jaxtopk.attention._merge import merge_attention
+from jaxtopk.attention._paged import PagedKVCache
 from jaxtopk.attention._topk import IMPLEMENTATIONS
 from jaxtopk.attention._topk import causal_mask
 from jaxtopk.attention._topk import register_implementation
@@ -38,6 +39,7 @@ __all__ = [
   "kv_index_update",
   "KVCache",
   "merge_attention",
+  "PagedKVCache",
   "rebuild_kv_index",
   "register_decode_implementation",
   "register_implementation",

@@ -363,55 +363,88 @@ def kv_cache_update(cache: KVCache, key, value, *, num_steps=None) -> KVCache:
   return cache.append(key, value, num_steps=num_steps, donate=False)
 
 
+def write_steps(cache: KVCache, rows, pos, key, value):
+  """Writes steps into ``cache`` rows and updates the block summaries.
+
+  The one write of keys, values and their per-block and per-key summaries
+  (block boxes, value norms, key codes), shared by ``KVCache.append``
+  (rows are sequences) and ``PagedKVCache.append`` (rows are pages).
+  Summaries bound the STORED (possibly rounded) keys and values.
+
+  Args:
+    cache: the cache written (or a page pool in KVCache form).
+    rows: ``[b, st]`` int32 row of each step.
+    pos: ``[b, st]`` int32 position of each step in its row; a step whose
+      ``pos`` is ``>= cache.max_len`` is not written (dropped by every
+      scatter).
+    key: ``[b, st, kv_heads, head_dim]``.
+    value: ``[b, st, kv_heads, head_dim_v]``.
+
+  Returns:
+    ``(cache, steps)``: the written cache (its running per-row summaries
+    and ``length`` unchanged) and ``steps = (real [b, st, 1], k32 [b, st,
+    h, d], key_norms [b, st, h], flushed [b, st, h], value_norms [b, st,
+    h])``, the per-step inputs of the running summaries (only ``real``
+    steps count).
+  """
+  blk = pos // cache.block_size  # [b, st]
+  # Advanced indices (rows, pos) around a slice: updates are [b, st, h, d],
+  # exactly the jax.nn layout of key/value.
+  key = key.astype(cache.keys.dtype)
+  value = value.astype(cache.values.dtype)
+  keys = cache.keys.at[rows, :, pos].set(key, mode="drop")
+  values = cache.values.at[rows, :, pos].set(value, mode="drop")
+  k32 = key.astype(cache.kmin.dtype)
+  kmin = cache.kmin.at[rows, :, blk].min(k32, mode="drop")
+  kmax = cache.kmax.at[rows, :, blk].max(k32, mode="drop")
+  vn = core.value_norms(value).astype(cache.vnorm.dtype)  # [b, st, h]
+  vnorm = cache.vnorm.at[rows, :, blk].max(vn, mode="drop")
+  value_norms = cache.value_norms.at[rows, :, pos].set(vn, mode="drop")
+  codes, expo = key_codes.encode_keys(key)  # [b, st, h, d], [b, st, h]
+  # d-major codes: the update [b, st, h, d] goes to [rows, h, d, pos].
+  codes = cache.key_codes.at[rows, :, :, pos].set(codes, mode="drop")
+  expo = cache.key_exponents.at[rows, :, pos].set(expo, mode="drop")
+  real = (pos < cache.max_len)[:, :, None]  # [b, st, 1]
+  written = dataclasses.replace(
+    cache,
+    keys=keys,
+    values=values,
+    kmin=kmin,
+    kmax=kmax,
+    vnorm=vnorm,
+    value_norms=value_norms,
+    key_codes=codes,
+    key_exponents=expo,
+  )
+  steps = (real, k32, core.norms_up(key), core.flushed(key), vn)
+  return written, steps
+
+
 def _update_impl(cache, key, value, num_steps):
   b = cache.keys.shape[0]
   steps = key.shape[1]
   t = jnp.arange(steps, dtype=jnp.int32)
   pos = cache.length[:, None] + t[None, :]  # [b, st]
-  # Padded steps go out of range and are dropped by every scatter below.
+  # Padded steps go out of range and are dropped by every scatter.
   pos = jnp.where(t[None, :] < num_steps[:, None], pos, cache.max_len)
-  bi = jnp.arange(b)[:, None]  # [b, 1]
-  blk = pos // cache.block_size  # [b, st]
-  # Advanced indices (bi, pos) around a slice: updates are [b, st, h, d],
-  # exactly the jax.nn layout of key/value.
-  # Summaries bound the STORED (possibly rounded) keys and values.
-  key = key.astype(cache.keys.dtype)
-  value = value.astype(cache.values.dtype)
-  keys = cache.keys.at[bi, :, pos].set(key, mode="drop")
-  values = cache.values.at[bi, :, pos].set(value, mode="drop")
-  k32 = key.astype(cache.kmin.dtype)
-  kmin = cache.kmin.at[bi, :, blk].min(k32, mode="drop")
-  kmax = cache.kmax.at[bi, :, blk].max(k32, mode="drop")
-  vn = core.value_norms(value).astype(cache.vnorm.dtype)  # [b, st, h]
-  vnorm = cache.vnorm.at[bi, :, blk].max(vn, mode="drop")
-  value_norms = cache.value_norms.at[bi, :, pos].set(vn, mode="drop")
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], pos.shape)
+  cache, (real, k32, key_norms, flushed, vn) = write_steps(
+    cache, rows, pos, key, value
+  )
   # Running key summaries over the written steps only ([b, st, h, ...]).
-  real = (pos < cache.max_len)[:, :, None]  # [b, st, 1]
   # core.max_nan: a NaN key or value must reach the running summaries.
   kabs = core.max_nan(jnp.where(real[..., None], jnp.abs(k32), 0.0), axis=1)
-  kn = core.max_nan(jnp.where(real, core.norms_up(key), 0.0), axis=1)
-  kf = jnp.any(real & core.flushed(key), axis=1)  # [b, h]
+  kn = core.max_nan(jnp.where(real, key_norms, 0.0), axis=1)
+  kf = jnp.any(real & flushed, axis=1)  # [b, h]
   vm = core.max_nan(jnp.where(real, vn, 0.0), axis=1)  # [b, h]
-  codes, expo = key_codes.encode_keys(key)  # [b, st, h, d], [b, st, h]
-  # d-major codes: the update [b, st, h, d] goes to [b, h, d, pos].
-  codes = cache.key_codes.at[bi, :, :, pos].set(codes, mode="drop")
-  expo = cache.key_exponents.at[bi, :, pos].set(expo, mode="drop")
   length = jnp.minimum(cache.length + num_steps, cache.max_len)
   return dataclasses.replace(
     cache,
-    keys=keys,
-    values=values,
     length=length,
-    kmin=kmin,
-    kmax=kmax,
-    vnorm=vnorm,
-    value_norms=value_norms,
     kabs=jnp.maximum(cache.kabs, kabs),
-    knorm=_nan_max(cache.knorm, kn.astype(cache.knorm.dtype)),
+    knorm=nan_max(cache.knorm, kn.astype(cache.knorm.dtype)),
     kflushed=cache.kflushed | kf,
-    vmax=_nan_max(cache.vmax, vm),
-    key_codes=codes,
-    key_exponents=expo,
+    vmax=nan_max(cache.vmax, vm),
   )
 
 
@@ -423,6 +456,6 @@ _update = jax.jit(_update_impl)
 _append = jax.jit(_update_impl, donate_argnums=0)
 
 
-def _nan_max(a, b):
+def nan_max(a, b):
   """Elementwise max that keeps a NaN (a broken key marks its row)."""
   return jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.nan, jnp.maximum(a, b))

@@ -245,6 +245,38 @@ def _decode_steps(policy, dtype):
 _STEPS = 3
 
 
+def _paged(policy, dtype):
+  """``decode_attention`` of each row over a PagedKVCache whose pages held
+  NaN keys and values of earlier owners (released) and are handed out
+  again in reverse row order."""
+  del dtype
+  bs = _block(policy)
+
+  def fn(q, k, v, mask, bias):
+    del bias
+    b, t, h, d = q.shape
+    kk, vv, length = _rows_first(k, v, mask)
+    bt, n, hk, _ = kk.shape
+    e = vv.shape[-1]
+    per = -(-n // bs)
+    cache = jaxtopk.PagedKVCache.create(
+      bt, bt * per, bs, hk, d, max_pages_per_seq=per, dtype=k.dtype,
+      value_dim=e,
+    )  # fmt: skip
+    cache = cache.append(jnp.full_like(kk, jnp.nan), jnp.full_like(vv, jnp.nan))
+    cache = cache.release(jnp.ones((bt,), bool))
+    for r in reversed(range(bt)):
+      own = jnp.where(jnp.arange(bt) == r, length, 0)
+      cache = cache.append(kk, vv, num_steps=own)
+    out, cert = jaxtopk.decode_attention(
+      q.reshape(b * t, 1, h, d), cache, policy=policy, rng=jax.random.key(0)
+    )
+    out = out.reshape(b, t, h, e)
+    return out, jax.tree.map(lambda x: x.reshape(b, t, h), cert)
+
+  return fn
+
+
 def _index_steps(policy, dtype):
   """``_decode_steps`` over a content index: each row's keys, then
   ``_STEPS - 1`` zero keys, indexed together (the groups mix them); the
@@ -708,6 +740,13 @@ VARIANTS = (
     ci_policies=(),
     low_precision=(),
     eager=False,
+  ),
+  _of_op(
+    "paged_decode",
+    "paged",
+    _paged,
+    ci_policies=("cert_delta", "fixed_k"),
+    low_precision=("bfloat16",),
   ),
   _of_op("pallas_prefill", "pallas_prefill", _prefill("pallas")),
   _of_op("pallas_decode", "pallas_decode", _decode("pallas")),
