@@ -104,6 +104,15 @@ class SmokeRunTest(parameterized.TestCase):
     for variant in ("floor", "dense", "lax_topk", "jaxtopk"):
       self.assertGreater(r[variant]["min_ms"], 0.0)
 
+  def _check_bench_serving(self, record):
+    (r,) = record["results"]
+    self.assertTrue(r["paged_equals_flat"])  # same outputs, same bounds
+    self.assertTrue(r["cert_valid"])
+    self.assertLessEqual(r["cert_tv_bound_max"], 0.05)
+    self.assertEqual(r["num_pages"], 6 + 13 + 4)  # pages of 16 held
+    for variant in ("floor", "gather", "dense_paged", "cert_paged"):
+      self.assertGreater(r[variant]["min_ms"], 0.0)
+
   def _check_bench_selection(self, record):
     (r,) = record["exact"]
     self.assertEqual(r["same_keep_fraction"], 1.0)

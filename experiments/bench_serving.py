@@ -1,0 +1,198 @@
+r"""Benchmark: one decode step over a paged cache holding a ragged batch.
+
+Sequences of different lengths (``config.lengths``) are prefilled in
+chunks of ``config.chunk`` tokens (ragged ``num_steps``) into a
+``jaxtopk.PagedKVCache`` and, for comparison, into a contiguous
+``jaxtopk.KVCache`` holding the same keys. One decode step (one query per
+sequence, ``heads`` query heads over ``kv_heads``) is then timed, every
+variant jitted and timed round-robin:
+
+- floor:       the logits alone over the contiguous cache (einsum q.K)
+- gather:      ``PagedKVCache.gather()`` alone (the pages to a KVCache)
+- dense_paged: ``decode_attention(policy=Dense())`` over the pages
+- cert_paged:  ``decode_attention(policy=Certified(eps))`` over the pages
+               (the default search, ``block_size = page_size``)
+- dense_flat / cert_flat: the same over the contiguous cache
+
+Workloads: ``flat``: keys and queries N(0, 1) (logit std 1: most of a
+row's keys matter); ``topic``: each page's keys sit near its own random
+centre (noise 0.2) and each query aims at one page of its sequence (4x
+that page's centre), so a row's mass sits in a page or two.
+
+``results.json`` records min and median times, the ratios to
+``dense_paged``, the certificates' kept and scored fractions, the largest
+``tv_bound``, whether the paged and contiguous outputs agree, the machine
+and the load; ``metrics.jsonl`` one row per workload; ``ratios.png``.
+
+Usage (experiments/README.md):
+  python -m experiments.bench_serving \
+    --config=experiments/configs/bench_serving.py --workdir=/tmp/bench_serving
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxtopk
+from experiments import _common
+
+NAME = "bench_serving"
+VARIANTS = ("floor", "gather", "dense_paged", "cert_paged", "dense_flat",
+            "cert_flat")  # fmt: skip
+
+
+def _workload(name, seed, lengths, heads, kv_heads, head_dim, page_size):
+  """Keys, values ``[b, n_max, hk, d]`` and queries ``[b, 1, h, d]``."""
+  b, n = len(lengths), max(lengths)
+  kk, kv, kq, kc, kt = jax.random.split(jax.random.key(seed), 5)
+  shape = (b, n, kv_heads, head_dim)
+  v = jax.random.normal(kv, shape)
+  if name == "flat":
+    k = jax.random.normal(kk, shape)
+    q = jax.random.normal(kq, (b, 1, heads, head_dim))
+    return k, v, q
+  if name != "topic":
+    raise ValueError(f"unknown workload {name!r}; use 'flat' or 'topic'")
+  pages = -(-n // page_size)
+  centre = jax.random.normal(kc, (b, pages, kv_heads, head_dim))
+  k = jnp.repeat(centre, page_size, axis=1)[:, :n]
+  k = k + 0.2 * jax.random.normal(kk, shape)
+  held = jnp.asarray([-(-m // page_size) for m in lengths])  # [b]
+  target = jax.random.randint(kt, (b, heads), 0, 1 << 30) % held[:, None]
+  group = heads // kv_heads
+  hk = jnp.arange(heads) // group  # [h]
+  aim = centre[jnp.arange(b)[:, None], target, hk[None, :]]  # [b, h, d]
+  q = 4.0 * aim + 0.3 * jax.random.normal(kq, aim.shape)
+  return k, v, q[:, None]
+
+
+def bench(workload, config):
+  """Times every variant on one workload; returns a dict of results."""
+  lengths = [int(m) for m in config.lengths]
+  b, n = len(lengths), max(lengths)
+  hk, d, ps = config.kv_heads, config.head_dim, config.page_size
+  k, v, q = _workload(workload, config.seed, lengths, config.heads, hk, d, ps)
+  per_seq = -(-n // ps)
+  num_pages = sum(-(-m // ps) for m in lengths)
+  paged = jaxtopk.PagedKVCache.create(
+    b, num_pages, ps, hk, d, max_pages_per_seq=per_seq
+  )
+  flat = jaxtopk.KVCache.create(b, per_seq * ps, hk, d, block_size=ps)
+  lens = np.asarray(lengths)
+  for start in range(0, n, config.chunk):
+    steps = np.clip(lens - start, 0, config.chunk)
+    kc, vc = (
+      k[:, start : start + config.chunk],
+      v[:, start : start + config.chunk],
+    )
+    paged = paged.append(kc, vc, num_steps=steps)
+    flat = flat.append(kc, vc, num_steps=steps)
+  del k, v
+  dense = jaxtopk.Dense()
+  cert = jaxtopk.Certified(config.eps, jaxtopk.Auto(block_size=ps))
+  scale = d**-0.5
+  group = config.heads // hk
+
+  @jax.jit
+  def floor(q, keys):
+    qg = q[:, 0].reshape(b, hk, group, d)
+    return jnp.einsum("bkgd,bknd->bkgn", qg, keys) * scale
+
+  def attend(policy):
+    return jax.jit(lambda q, c: jaxtopk.decode_attention(q, c, policy=policy))
+
+  dense_fn, cert_fn = attend(dense), attend(cert)
+  gather = jax.jit(lambda c: c.gather())
+  res = dict(
+    workload=workload,
+    lengths=lengths,
+    heads=config.heads,
+    kv_heads=hk,
+    head_dim=d,
+    page_size=ps,
+    num_pages=num_pages,
+  )
+  res.update(
+    _common.time_round_robin(
+      dict(
+        floor=(floor, (q, flat.keys)),
+        gather=(gather, (paged,)),
+        dense_paged=(dense_fn, (q, paged)),
+        cert_paged=(cert_fn, (q, paged)),
+        dense_flat=(dense_fn, (q, flat)),
+        cert_flat=(cert_fn, (q, flat)),
+      ),
+      repeats=config.repeats,
+    )
+  )
+  o_paged, c_paged = cert_fn(q, paged)
+  o_flat, c_flat = cert_fn(q, flat)
+  res["paged_equals_flat"] = bool(
+    jnp.array_equal(o_paged, o_flat)
+    and jnp.array_equal(c_paged.tv_bound, c_flat.tv_bound)
+  )
+  real = jnp.asarray(lengths, jnp.float32)[:, None, None]
+  res["cert_kept_fraction_mean"] = float(jnp.mean(c_paged.k_kept / real))
+  res["cert_scored_fraction_mean"] = float(jnp.mean(c_paged.keys_scored / real))
+  res["cert_tv_bound_max"] = float(jnp.max(c_paged.tv_bound))
+  res["cert_valid"] = bool(jnp.all(c_paged.valid))
+  for name in VARIANTS:
+    for stat in ("min_ms", "median_ms"):
+      res[f"{name}_over_dense_paged_{stat[:-3]}"] = (
+        res[name][stat] / res["dense_paged"][stat]
+      )
+  return res
+
+
+def run(config, workdir, *, overwrite: bool = False) -> dict:
+  """Times every variant on each workload; writes the workdir."""
+  wd = _common.Workdir(workdir, config, overwrite=overwrite)
+  meta = _common.machine_info()
+  results = []
+  progress = _common.Progress(NAME, len(config.workloads))
+  for workload in config.workloads:
+    r = bench(workload, config)
+    wd.metrics.write("paged_decode", **r)
+    results.append(r)
+    progress.update(note=workload)
+  meta.update(
+    load_average_after=list(os.getloadavg()),
+    layout="PagedKVCache pages vs a contiguous KVCache, float32",
+    timing=(
+      "jit, 2 warm-up calls, variants timed round-robin, min and median"
+      " of config.repeats calls each"
+    ),
+  )
+  record = dict(meta=meta, results=results)
+  wd.write_json("results.json", record)
+  _common.bar_figure(
+    wd.path,
+    "ratios",
+    {
+      r["workload"]: {v: r[f"{v}_over_dense_paged_min"] for v in VARIANTS}
+      for r in results
+    },
+    ylabel="time / dense over the pages (min)",
+    title=f"One decode step, {len(config.lengths)} ragged sequences",
+  )
+  wd.write_summary(
+    _common.format_table(
+      [
+        {
+          "workload": r["workload"],
+          **{v: r[f"{v}_over_dense_paged_min"] for v in VARIANTS},
+          "dense_paged_ms": r["dense_paged"]["min_ms"],
+          "scored": r["cert_scored_fraction_mean"],
+        }
+        for r in results
+      ],
+      ["workload", *VARIANTS, "dense_paged_ms", "scored"],
+    )
+  )
+  return record
+
+
+if __name__ == "__main__":
+  _common.app_main(NAME, run)
