@@ -24,6 +24,15 @@ that page's centre), so a row's mass sits in a page or two.
 ``tv_bound``, whether the paged and contiguous outputs agree, the machine
 and the load; ``metrics.jsonl`` one row per workload; ``ratios.png``.
 
+Part ``generate``: ``jaxtopk.models.serve`` (continuous batching: chunked
+prefill into a paged cache per layer, greedy decode steps, finished
+requests released and their pages reused) on a random ``TopKDecoder``,
+``config.generate.requests`` prompts of random lengths, dense attention
+against ``Certified(eps)``: tokens per second (after a warm-up run of the
+same requests, which compiles every shape), steps, the largest
+``tv_bound`` of any generated token and how many tokens the two runs
+agree on (``generate.png``).
+
 Usage (experiments/README.md):
   python -m experiments.bench_serving \
     --config=experiments/configs/bench_serving.py --workdir=/tmp/bench_serving
@@ -34,9 +43,11 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import jaxtopk
 from experiments import _common
+from jaxtopk import models
 
 NAME = "bench_serving"
 VARIANTS = ("floor", "gather", "dense_paged", "cert_paged", "dense_flat",
@@ -146,17 +157,91 @@ def bench(workload, config):
   return res
 
 
+def generate(config):
+  """``serve`` of the same requests, dense then certified; a dict."""
+  g = config.generate
+  cfg = models.DecoderConfig(
+    vocab_size=g.vocab_size,
+    num_layers=g.num_layers,
+    num_heads=g.num_heads,
+    num_kv_heads=g.num_kv_heads,
+    model_dim=g.model_dim,
+    head_dim=g.head_dim,
+    mlp_dim=g.mlp_dim,
+  )
+  model = models.TopKDecoder(cfg, rngs=nnx.Rngs(config.seed))
+  rng = np.random.default_rng(config.seed)
+  lengths = rng.integers(g.prompt_min, g.prompt_max + 1, g.requests)
+  prompts = [rng.integers(0, g.vocab_size, n).tolist() for n in lengths]
+  ps = config.page_size
+  kw = dict(
+    max_new_tokens=g.max_new_tokens, batch=g.batch, page_size=ps,
+    chunk=g.chunk,
+  )  # fmt: skip
+  res = dict(
+    requests=g.requests,
+    prompt_tokens=int(np.sum(lengths)),
+    max_new_tokens=g.max_new_tokens,
+    batch=g.batch,
+    chunk=g.chunk,
+  )
+  runs = {}
+  for name, attention in (
+    ("dense", None),
+    ("certified", jaxtopk.Certified(config.eps, jaxtopk.Auto(block_size=ps))),
+  ):
+    models.serve(model, prompts, attention=attention, **kw)  # compiles
+    out, stats = models.serve(model, prompts, attention=attention, **kw)
+    runs[name] = out
+    res[name] = dict(
+      stats,
+      tv_bound_max=float(max(np.max(c.tv_bound) for c in out)),
+      all_valid=all(c.valid for c in out),
+    )
+  same = [
+    int(np.sum(np.equal(a.tokens, b.tokens)))
+    for a, b in zip(runs["dense"], runs["certified"], strict=True)
+  ]
+  res["same_tokens_fraction"] = sum(same) / (g.requests * g.max_new_tokens)
+  res["certified_over_dense_seconds"] = (
+    res["certified"]["seconds"] / res["dense"]["seconds"]
+  )
+  return res
+
+
 def run(config, workdir, *, overwrite: bool = False) -> dict:
-  """Times every variant on each workload; writes the workdir."""
+  """Runs the parts of ``config.parts``; writes the workdir."""
   wd = _common.Workdir(workdir, config, overwrite=overwrite)
   meta = _common.machine_info()
   results = []
-  progress = _common.Progress(NAME, len(config.workloads))
-  for workload in config.workloads:
+  parts = tuple(config.parts)
+  unknown = set(parts) - {"paged", "generate"}
+  if unknown:
+    raise ValueError(f"config.parts: unknown {sorted(unknown)}")
+  workloads = config.workloads if "paged" in parts else ()
+  progress = _common.Progress(NAME, len(workloads) + ("generate" in parts))
+  for workload in workloads:
     r = bench(workload, config)
     wd.metrics.write("paged_decode", **r)
     results.append(r)
     progress.update(note=workload)
+  gen = None
+  if "generate" in parts:
+    gen = generate(config)
+    wd.metrics.write("generate", **gen)
+    progress.update(note="generate")
+    _common.bar_figure(
+      wd.path,
+      "generate",
+      {
+        "tokens/s": {
+          name: gen[name]["tokens_per_second"]
+          for name in ("dense", "certified")
+        }
+      },
+      ylabel="generated tokens per second",
+      title=f"serve: {gen['requests']} requests, batch {gen['batch']}",
+    )
   meta.update(
     load_average_after=list(os.getloadavg()),
     layout="PagedKVCache pages vs a contiguous KVCache, float32",
@@ -165,8 +250,12 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
       " of config.repeats calls each"
     ),
   )
-  record = dict(meta=meta, results=results)
+  record = dict(meta=meta, results=results, generate=gen)
   wd.write_json("results.json", record)
+  if not results:
+    if gen is not None:
+      wd.write_summary(_generate_table(gen))
+    return record
   _common.bar_figure(
     wd.path,
     "ratios",
@@ -190,8 +279,25 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
       ],
       ["workload", *VARIANTS, "dense_paged_ms", "scored"],
     )
+    + ("" if gen is None else "\n\n" + _generate_table(gen))
   )
   return record
+
+
+def _generate_table(gen):
+  return _common.format_table(
+    [
+      {
+        "attention": name,
+        "tokens_per_s": gen[name]["tokens_per_second"],
+        "seconds": gen[name]["seconds"],
+        "steps": gen[name]["steps"],
+        "tv_bound_max": gen[name]["tv_bound_max"],
+      }
+      for name in ("dense", "certified")
+    ],
+    ["attention", "tokens_per_s", "seconds", "steps", "tv_bound_max"],
+  )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ from jaxtopk.models._pretrained import save_pretrained
 from jaxtopk.models._rope import RopeScaling
 from jaxtopk.models._rope import apply_rope
 from jaxtopk.models._rope import rope_frequencies
+from jaxtopk.models._serve import Completion
+from jaxtopk.models._serve import serve
 from jaxtopk.models._text import public_domain_text
 from jaxtopk.models._weights import long_context_lm_dir
 
@@ -44,6 +46,7 @@ __all__ = [
   "BertConfig",
   "BertEncoder",
   "CheckpointConfig",
+  "Completion",
   "decode_teacher_forced",
   "DecoderAttention",
   "DecoderCache",
@@ -64,6 +67,7 @@ __all__ = [
   "rope_frequencies",
   "RopeScaling",
   "save_pretrained",
+  "serve",
   "sentence_embedding",
   "TopKDecoder",
 ]

@@ -55,12 +55,13 @@ class DecoderCache:
   """Decode state of a :class:`TopKDecoder`.
 
   Attributes:
-    layers: one ``jaxtopk.KVCache`` per layer (rotated keys and values,
-      ``kv_heads`` heads, with per-block key boxes and value norms). Their
-      ``length`` is the position of the next token.
+    layers: one ``jaxtopk.KVCache`` (or ``jaxtopk.PagedKVCache``) per
+      layer (rotated keys and values, ``kv_heads`` heads, with per-block key
+      boxes and value norms). Their ``length`` is the position of the next
+      token.
   """
 
-  layers: tuple[KVCache, ...]
+  layers: tuple[Any, ...]
 
 
 class RMSNorm(nnx.Module):
@@ -159,12 +160,29 @@ class _Block(nnx.Module):
     out, aux = attention.prefill(q, k, v, rng=rng)
     return self._finish(x, out.astype(x.dtype)), k, v, aux
 
-  def step(self, x, positions, inv_freq, cache, *, attention, rng):
-    """One token ``x`` ``[b, 1, dim]``: append to ``cache``, attend over it."""
-    q, k, v = self.qkv(x, positions, inv_freq)  # [b, 1, h(k), d]
-    cache = cache.append(k, v, donate=False)  # the caller's stays valid
+  def step(self, x, positions, inv_freq, cache, *, attention, rng, num_steps):
+    """Tokens ``x`` ``[b, s, dim]``: append to ``cache``, attend over it.
+
+    With ``num_steps`` (``[b]``), row b's real tokens are its LAST
+    ``num_steps[b]`` (left-padded): they are appended, the padding is not.
+    """
+    q, k, v = self.qkv(x, positions, inv_freq)  # [b, s, h(k), d]
+    if num_steps is not None:  # the append takes the real steps first
+      k, v = _real_first(k, num_steps), _real_first(v, num_steps)
+    # donate=False: the caller's cache stays valid.
+    cache = cache.append(k, v, num_steps=num_steps, donate=False)
     out, aux = attention.decode(q, cache, rng=rng)
     return self._finish(x, out.astype(x.dtype)), cache, aux
+
+
+def _real_first(x, num_steps):
+  """Rolls each row of ``x`` ``[b, s, ...]`` so its last ``num_steps[b]``
+  entries come first."""
+  s = x.shape[1]
+  shift = s - num_steps  # [b]
+  idx = (jnp.arange(s)[None, :] + shift[:, None]) % s  # [b, s]
+  idx = idx.reshape(idx.shape + (1,) * (x.ndim - 2))
+  return jnp.take_along_axis(x, idx, axis=1)
 
 
 class TopKDecoder(nnx.Module):
@@ -363,10 +381,53 @@ class TopKDecoder(nnx.Module):
       the statistics (a Certificate with ``[batch, 1, heads]`` arrays for a
       policy).
     """
+    return self.extend(input_ids[:, None], cache, attention=attention, rng=rng)
+
+  def extend(
+    self,
+    input_ids: Int[Array, "b s"],
+    cache: DecoderCache,
+    *,
+    num_steps: Any = None,
+    attention: Any = None,
+    rng: Array | None = None,
+  ) -> tuple[Float[Array, "b v"], DecoderCache, list[Any]]:
+    """Feeds ``s`` tokens per row at the caches' next positions.
+
+    A chunk of a prompt (chunked prefill) or one sampled token
+    (``decode_step``), attended with ``decode_attention`` over the caches
+    (``q_len = s``: each token sees the positions up to its own). With
+    ``num_steps``, rows are ragged: row b's first ``num_steps[b]`` tokens
+    are real (right-padded), the rest neither appended nor attended to.
+
+    Args:
+      input_ids: int ``[batch, s]``.
+      cache: caches with room for the new tokens (a ``KVCache`` or a
+        ``jaxtopk.PagedKVCache`` per layer).
+      num_steps: optional ``[batch]`` real tokens per row (0 to ``s``).
+      attention: None (dense), a jaxtopk policy, or a DecoderAttention.
+      rng: PRNG key for random selectors and MC-Search (folded per layer).
+
+    Returns:
+      float32 logits of each row's last real token ``[batch, vocab]``
+      (meaningless for a row with ``num_steps`` 0), the updated cache, and
+      per layer the statistics (Certificates ``[batch, s, heads]``; with
+      ``num_steps``, row b's real tokens are its LAST ``num_steps[b]``
+      entries, the others are padding rows).
+    """
     attention = as_attention(attention)
-    positions = cache.layers[0].length[:, None]  # [b, 1]
+    b, s = input_ids.shape
+    start = cache.layers[0].length[:, None]  # [b, 1]
+    steps = jnp.arange(s, dtype=jnp.int32)[None, :]
+    if num_steps is None:
+      positions = start + steps
+    else:
+      num_steps = jnp.broadcast_to(jnp.asarray(num_steps, jnp.int32), (b,))
+      shift = (s - num_steps)[:, None]  # left-pad: real tokens last
+      input_ids = jnp.take_along_axis(input_ids, (steps - shift) % s, axis=1)
+      positions = jnp.maximum(start + steps - shift, 0)
     inv_freq = _inv_freq(self.config)
-    x = self.embed(input_ids[:, None])  # [b, 1, dim]
+    x = self.embed(input_ids)  # [b, s, dim]
     layers, aux = [], []
     for layer, block in enumerate(self.blocks):
       x, layer_cache, layer_aux = block.step(
@@ -376,10 +437,15 @@ class TopKDecoder(nnx.Module):
         cache.layers[layer],
         attention=attention,
         rng=self._layer_rng(rng, layer),
+        num_steps=num_steps,
       )
       layers.append(layer_cache)
       aux.append(layer_aux)
-    return self._logits(x)[:, 0], DecoderCache(layers=tuple(layers)), aux
+    return (
+      self._logits(x[:, -1:])[:, 0],
+      DecoderCache(layers=tuple(layers)),
+      aux,
+    )
 
 
 def decode_teacher_forced(

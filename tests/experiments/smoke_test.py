@@ -112,6 +112,12 @@ class SmokeRunTest(parameterized.TestCase):
     self.assertEqual(r["num_pages"], 6 + 13 + 4)  # pages of 16 held
     for variant in ("floor", "gather", "dense_paged", "cert_paged"):
       self.assertGreater(r[variant]["min_ms"], 0.0)
+    g = record["generate"]
+    for name in ("dense", "certified"):
+      self.assertEqual(g[name]["new_tokens"], 3 * 3)  # every request
+      self.assertTrue(g[name]["all_valid"])
+    self.assertEqual(g["dense"]["tv_bound_max"], 0.0)
+    self.assertLessEqual(g["certified"]["tv_bound_max"], 0.05)
 
   def _check_bench_selection(self, record):
     (r,) = record["exact"]
