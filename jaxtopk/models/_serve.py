@@ -172,7 +172,9 @@ def serve(
   queue = collections.deque(range(len(prompts)))
   slots: list[_Slot | None] = [None] * batch
   done_requests: dict[int, Completion] = {}
-  stats = dict(steps=0, prefill_steps=0, decode_steps=0, new_tokens=0)
+  stats: dict[str, Any] = dict(
+    steps=0, prefill_steps=0, decode_steps=0, new_tokens=0
+  )
   t0 = time.perf_counter()
   while queue or any(slots):
     free = num_pages - sum(s.reserved for s in slots if s is not None)
