@@ -1116,13 +1116,16 @@ def decode_attention(
 
   The op is chosen from the registry (``attention.registry``) by
   ``implementation`` and the cache's type: over an IndexedKVCache 'xla' is
-  the content index's search (``attention._index_decode``).
+  the content index's search (``attention._index_decode``); over a
+  PagedKVCache it is this XLA decode on the gathered pages
+  (``attention._paged``).
 
   Args:
     query: ``[batch, q_len, num_heads, head_dim]``, q_len >= 1; num_heads a
       multiple of the cache's kv heads. Ops that attend one step only
       ('pallas', 'sharded') refuse q_len > 1 by name.
-    cache: a KVCache (or an IndexedKVCache, which searches its groups).
+    cache: a KVCache, a PagedKVCache (its pages gathered), or an
+      IndexedKVCache (which searches its groups).
     policy: a selection policy.
     scale: logit scale, default 1/sqrt(head_dim); a number >= float32's
       smallest normal (``core.MIN_SCALE``), or a JAX scalar (traced OK; rows
