@@ -10,6 +10,9 @@ taking turns by rounds of consecutive calls, one appended step per call:
 
 - ``kv_append`` / ``kv_copy``: a ``KVCache`` (keys, values, block boxes,
   value norms, key codes) filled to half its capacity.
+- ``paged_append`` / ``paged_copy``: a ``PagedKVCache`` (pages of 64) of
+  one sequence, its pool ``max_len / 64`` pages, filled to half (each step
+  also looks for a free page: O(pages)).
 - ``index_append`` / ``index_copy``: an ``IndexedKVCache`` built on half
   its capacity (each step also searches the nearest of ~``max_len / 32``
   groups: O(groups) work, which grows with max_len, unlike a copy).
@@ -36,15 +39,18 @@ import jaxtopk
 from experiments import _common
 from jaxtopk.attention import _cache
 from jaxtopk.attention import _index
+from jaxtopk.attention import _paged
 
 NAME = "bench_append"
-CACHES = ("kv", "index")
+CACHES = ("kv", "index", "paged")
 
 
 def _memory(cache, keys, values, donate):
   """XLA's memory analysis of the compiled append (bytes)."""
   if isinstance(cache, jaxtopk.KVCache):
     fn = _cache._append if donate else _cache._update
+  elif isinstance(cache, jaxtopk.PagedKVCache):
+    fn = _paged._append if donate else _paged._update
   else:
     fn = _index._index_append if donate else _index._index_update
   steps = jnp.ones((keys.shape[0],), jnp.int32)
@@ -100,7 +106,7 @@ def _copy(tree):
 
 def bench(kind, max_len, config):
   """Times the donated and the copying append at one capacity."""
-  heads = config.heads if kind == "kv" else config.index_heads
+  heads = config.index_heads if kind == "index" else config.heads
   d = config.head_dim
   kk, ks = jax.random.split(jax.random.key(0))
   fill = max_len // 2
@@ -109,6 +115,12 @@ def bench(kind, max_len, config):
   new_k, new_v = new[0], new[1]
   if kind == "kv":
     cache = jaxtopk.KVCache.create(1, max_len, heads, d, block_size=64)
+    cache = cache.append(*prefix)
+  elif kind == "paged":  # one sequence's pages in a pool of that many
+    pages = -(-max_len // 64)
+    cache = jaxtopk.PagedKVCache.create(
+      1, pages, 64, heads, d, max_pages_per_seq=pages
+    )
     cache = cache.append(*prefix)
   else:
     cache = jaxtopk.IndexedKVCache.build(

@@ -90,7 +90,7 @@ class SmokeRunTest(parameterized.TestCase):
     getattr(self, f"_check_{name}")(result)
 
   def _check_bench_append(self, record):
-    self.assertLen(record["results"], 2)  # kv and index, one size
+    self.assertLen(record["results"], 3)  # kv, index, paged; one size
     for r in record["results"]:
       self.assertTrue(r["same_result"])  # donated == copying, every field
       self.assertEqual(r["length_after"], r["fill"] + 2 + 2)
