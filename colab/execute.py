@@ -135,7 +135,11 @@ def execute(
       timeout=timeout,
       resources={"metadata": {"path": str(COLAB_DIR)}},
     )
-    client.execute()
+    try:
+      client.execute()
+    finally:  # nbclient leaves a kernel it was handed running
+      if km.has_kernel:
+        km.shutdown_kernel(now=True)
   nb.metadata["kernelspec"] = {
     "name": "python3",
     "display_name": "Python 3",
