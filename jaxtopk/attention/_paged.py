@@ -162,9 +162,10 @@ class PagedKVCache:
     sequence that crosses into a new page takes the lowest free page. With
     concrete arguments (outside jit) a sequence that would outgrow
     ``max_pages_per_seq`` pages, or a pool without enough free pages, is
-    refused before anything is written. Under jit (no such check) steps
-    that find no page are dropped and ``length`` stops at the positions
-    its pages hold.
+    refused before anything is written (the check reads ``length`` and
+    the free pages back to the host: one sync per call). Under jit (no
+    such check) steps that find no page are dropped and ``length`` stops
+    at the positions its pages hold.
 
     The append donates this cache, as ``KVCache.append`` does: rebind
     (``cache = cache.append(k, v)``), or pass ``donate=False``.
