@@ -10,18 +10,8 @@ from flax import nnx
 import jaxtopk
 from jaxtopk import models
 from tests import rand
+from tests.models.generate_test import CONFIG
 
-CONFIG = models.DecoderConfig(
-  vocab_size=17,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  model_dim=12,
-  head_dim=6,
-  mlp_dim=9,
-  rope_theta=30.0,
-  tie_embeddings=True,
-)
 NEW = 4
 # Five requests of different lengths through two slots: later requests
 # reuse the pages of finished ones.
