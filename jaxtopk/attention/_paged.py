@@ -292,28 +292,39 @@ def _update_impl(cache: PagedKVCache, key, value, num_steps):
   pool, (ok, k32, key_norms, flushed, vn) = _cache.write_steps(
     cache.pool, rows, off, key, value
   )
-  # Running maxima per page: scatter-max of the written steps (lax.max
-  # keeps a NaN, as core.max_nan does along an axis).
+  # Running maxima per page: scatter-max of the written steps.
   rows = jnp.where(ok[..., 0], rows, p + 1)  # dropped steps: out of range
-  kabs = pool.kabs.at[rows].max(
-    jnp.where(ok[..., None], jnp.abs(k32), 0.0), mode="drop"
+  kabs = _scatter_max(
+    pool.kabs, rows, jnp.where(ok[..., None], jnp.abs(k32), 0)
   )
-  knorm = pool.knorm.at[rows].max(
-    jnp.where(ok, key_norms, 0.0).astype(pool.knorm.dtype), mode="drop"
+  knorm = _scatter_max(
+    pool.knorm, rows, jnp.where(ok, key_norms, 0.0).astype(pool.knorm.dtype)
   )
-  kflushed = (
-    pool.kflushed.astype(jnp.int8)
-    .at[rows]
-    .max((ok & flushed).astype(jnp.int8), mode="drop")
-    .astype(bool)
-  )
-  vmax = pool.vmax.at[rows].max(jnp.where(ok, vn, 0.0), mode="drop")
+  kflushed = _scatter_max(pool.kflushed, rows, ok & flushed)
+  vmax = _scatter_max(pool.vmax, rows, jnp.where(ok, vn, 0.0))
   pool = dataclasses.replace(
     pool, kabs=kabs, knorm=knorm, kflushed=kflushed, vmax=vmax
   )
   return dataclasses.replace(
     cache, pool=pool, page_table=table, length=new_length, in_use=in_use
   )
+
+
+def _scatter_max(x, rows, u):
+  """``x.at[rows].max(u)`` that keeps a NaN of ``x`` or ``u`` whatever the
+  backend's scatter does with one (``core.max_nan``'s rule); bool as any."""
+  if x.dtype == jnp.bool_:
+    hit = (
+      jnp.zeros(x.shape, jnp.int8).at[rows].max(u.astype(jnp.int8), mode="drop")
+    )
+    return x | (hit > 0)
+  nan = (
+    jnp.zeros(x.shape, jnp.int8)
+    .at[rows]
+    .max(jnp.isnan(u).astype(jnp.int8), mode="drop")
+  )
+  out = x.at[rows].max(u, mode="drop")
+  return jnp.where(jnp.isnan(x) | (nan > 0), jnp.nan, out)
 
 
 _update = jax.jit(_update_impl)
