@@ -218,6 +218,97 @@ class KVCache:
     )
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageRows:
+  """A per-position array of a page pool as the sequences see it, read
+  lazily.
+
+  Stands for the ``[batch, kv_heads, ..., pages x page_size, ...]`` array
+  that gathering each sequence's pages would build (``dense``), but
+  gathers only what is read: ``take`` and ``at_positions`` read chosen
+  positions straight from the pool, so a decode that scores a few
+  candidates never copies the rest, and a branch that does not read an
+  array never gathers it. The keys, values and key codes of a paged
+  cache's view (``_paged``); the decode reads a cache's keys, values and
+  codes through ``dense_rows``, ``take_rows`` and ``at_positions``.
+
+  Attributes:
+    pool: ``[pages, kv_heads, ...]`` with ``page_size`` positions on
+      ``axis``.
+    table: ``[batch, max_pages]`` int32 page of each slot.
+    axis: the position axis of ``pool`` (and of the array it stands for).
+  """
+
+  pool: jax.Array
+  table: jax.Array
+  axis: int = dataclasses.field(default=2, metadata=dict(static=True))
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    s = [self.table.shape[0], *self.pool.shape[1:]]
+    s[self.axis] *= self.table.shape[1]
+    return tuple(s)
+
+  @property
+  def dtype(self):
+    return self.pool.dtype
+
+  def dense(self) -> jax.Array:
+    """The gathered array (``shape``)."""
+    g = jnp.moveaxis(self.pool[self.table], 1, self.axis)  # slots by pages
+    return g.reshape(self.shape)
+
+  def take(self, idx) -> jax.Array:
+    """``[b, hk, g, K, dim]`` at positions ``idx`` ``[b, hk, g, K]`` (keys
+    or values: ``[pages, kv_heads, page_size, dim]``, axis 2)."""
+    ps = self.pool.shape[2]
+    hk = idx.shape[1]
+    page = jax.vmap(lambda t, i: t[i])(self.table, idx // ps)
+    head = jnp.arange(hk, dtype=idx.dtype).reshape(1, hk, 1, 1)
+    return self.pool[page, head, idx % ps]
+
+  def at_positions(self, pos) -> jax.Array:
+    """The array at positions ``pos`` ``[b, m]`` (on ``axis``)."""
+    ps = self.pool.shape[self.axis]
+    page = jnp.take_along_axis(self.table, pos // ps, axis=1)  # [b, m]
+    g = self.pool[page]  # [b, m, kv_heads, ...]: m pages
+    off = (pos % ps).reshape(*pos.shape, *(1,) * (g.ndim - 2))
+    g = jnp.take_along_axis(g, off, axis=self.axis + 1)
+    return jnp.moveaxis(jnp.squeeze(g, self.axis + 1), 1, self.axis)
+
+
+def dense_rows(x) -> jax.Array:
+  """A cache's keys, values or codes as an array (``PageRows`` gathered)."""
+  return x.dense() if isinstance(x, PageRows) else x
+
+
+def take_rows(x, idx) -> jax.Array:
+  """``x[b, hk, idx]``: ``[b, hk, n, dim]`` (or ``PageRows``) x ``[b, hk,
+  g, K]`` -> ``[b, hk, g, K, dim]``."""
+  if isinstance(x, PageRows):
+    return x.take(idx)
+  return jax.vmap(jax.vmap(lambda v, i: v[i]))(x, idx)
+
+
+def at_positions(x, pos, axis: int) -> jax.Array:
+  """``x`` ``[b, ...]`` (or ``PageRows``) at positions ``pos`` ``[b, m]``
+  of its ``axis``: the same array with m positions there."""
+  if isinstance(x, PageRows):
+    return x.at_positions(pos)
+  return jax.vmap(lambda r, p: jnp.take(r, p, axis=axis - 1))(x, pos)
+
+
+def dense_cache(cache: KVCache) -> KVCache:
+  """``cache`` with arrays for keys, values and codes (``dense_rows``)."""
+  return dataclasses.replace(
+    cache,
+    keys=dense_rows(cache.keys),
+    values=dense_rows(cache.values),
+    key_codes=dense_rows(cache.key_codes),
+  )
+
+
 def _create(
   batch,
   max_len,

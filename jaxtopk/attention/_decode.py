@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxtopk.attention import _cache
 from jaxtopk.attention import checks
 from jaxtopk.attention import registry
 from jaxtopk.attention._cache import KVCache
@@ -102,7 +103,7 @@ CANDIDATE_MIN_KEYS = 8192
 # at most AUTO_THRESHOLD of its keys for 1 - eps of its mass
 # (experiments/bound_study.py: over the 72 MiniLM heads no head then costs
 # more than the exact search plus the sample, and the concentrated heads
-# keep their saving).
+# keep their saving), and keep every key otherwise (``_sample_choice``).
 AUTO_MIN_KEYS = 1024
 # Platforms where the key-code path was measured to pay. On an H100 (jax
 # 0.11, docs/performance.md "GPU") it cost 4.5-4.9x the logits floor at n =
@@ -257,7 +258,7 @@ def _step(
   q_in, q = _queries(query, cache)
   dt = q.dtype
   if s is None:
-    k = cache.keys.astype(dt)  # [b, hk, n, d] head-major
+    k = _cache.dense_rows(cache.keys).astype(dt)  # [b, hk, n, d]
     s = jnp.einsum("bkgd,bknd->bkgn", q, k, precision=_HIGHEST) * scale
   delta = _logit_error(q_in, q, cache, scale)
   if q_len == 1:
@@ -288,8 +289,9 @@ def _step(
 
 def _gather_values(values, idx):
   """``values[b, hk, idx]``: ``[b, hk, n, dv]`` x ``[b, hk, g, K]`` ->
-  ``[b, hk, g, K, dv]`` (the kept rows only)."""
-  return jax.vmap(jax.vmap(lambda v, i: v[i]))(values, idx)
+  ``[b, hk, g, K, dv]`` (the kept rows only; from the pool of a paged
+  cache's view)."""
+  return _cache.take_rows(values, idx)
 
 
 def _dense_values(p, values):
@@ -306,7 +308,7 @@ def _dense_values(p, values):
   c = 1
   while n % (c * 2) == 0 and n // (c * 2) >= 256:
     c *= 2
-  vc = values.reshape(b, hk, c, n // c, dv).astype(p.dtype)
+  vc = _cache.dense_rows(values).reshape(b, hk, c, n // c, dv).astype(p.dtype)
   if g == 1:
     pc = p.reshape(b, hk, c, n // c)
     out = jnp.einsum("bkcm,bkcmd->bkcd", pc, vc, precision=_HIGHEST)
@@ -696,7 +698,14 @@ def _certified_search(policy: Certified, st: _Step, rng):
   over_hk = jax.vmap(over_g, in_axes=(0, 0, None, 0, 0, 0, 0, 0))
   over_b = jax.vmap(over_hk, in_axes=(0, 0, 0, 0, 0, 0, 0, 0))
   s, keep, scored, part = over_b(
-    st.q, cache.keys, valid, u, cnt, st.delta, rngs, cache.value_norms
+    st.q,
+    _cache.dense_rows(cache.keys),
+    valid,
+    u,
+    cnt,
+    st.delta,
+    rngs,
+    cache.value_norms,
   )
   capacity = min(n, policy.max_topk or max(1, int(n * CERTIFIED_CAPACITY)))
   m = jnp.max(jnp.where(keep, s, -jnp.inf), -1, keepdims=True)
@@ -729,6 +738,7 @@ def _rows(cache: KVCache) -> KVCache:
   def flat(x):
     return x.reshape(b * hk, *x.shape[2:])
 
+  cache = _cache.dense_cache(cache)
   rows = jax.tree.map(flat, dataclasses.replace(cache, length=cache.kflushed))
   length = jnp.repeat(cache.length, hk)
   return dataclasses.replace(rows, length=length)
@@ -750,40 +760,69 @@ def auto_sample_positions(length, m):
   return (jnp.arange(m, dtype=jnp.int32) * length[:, None]) // m
 
 
-def _sample_says_codes(policy, query, cache, scale):
-  """Auto's choice per (batch, kv head) row: does a strided sample of
-  ``AUTO_SAMPLE`` keys look concentrated enough for the codes to pay?
+def auto_sample_need(q_in, codes, exponents, length, *, eps, scale):
+  """``[b, hk, g]``: how many of ``AUTO_SAMPLE`` strided keys hold 1 - eps
+  of the sample's mass, their logits estimated from their codes (the
+  midpoint of the code interval, a fraction of a logit off). ``q_in``
+  ``[b, hk, g, d]``; ``codes`` ``[b, hk, d, n]``; ``exponents`` ``[b, hk,
+  n]``; ``length`` ``[b]``. The estimate of k_eps / n behind Auto's choice
+  (over a KVCache and over the content index); never part of a
+  certificate."""
+  m = AUTO_SAMPLE
+  pos = auto_sample_positions(length, m)  # [b, m]
+  codes = _cache.at_positions(codes, pos, 3)  # [b, hk, d, m]
+  expo = _cache.at_positions(exponents, pos, 2)  # [b, hk, m]
+  u, lo = key_codes.code_bounds(q_in, codes, expo, scale=scale)
+  s = 0.5 * (u + lo)  # [b, hk, g, m]: the code estimate of the logits
+  p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
+  p = -jnp.sort(-p / jnp.sum(p, -1, keepdims=True), axis=-1)  # decreasing
+  return jnp.sum(jnp.cumsum(p, -1) < 1 - eps, -1) + 1  # NaN rows: 1
 
-  The sample's logits are estimated from their codes (the midpoint of the
-  code interval, a fraction of a logit off; the products cost their byte
-  share). The fraction of the sample needed to hold 1 - eps of the
-  sample's mass estimates k_eps / n; the codes pay when it is at most
-  ``AUTO_THRESHOLD`` for some query of the row's group (measured:
-  experiments/bound_study.py).
-  Rows of fewer than ``AUTO_MIN_KEYS`` keys take the exact search without a
-  sample. Only the choice of strategy depends on it; every certificate is
-  computed from what was scored.
+
+# Auto's choice per (batch, kv head) row over a KVCache.
+_CODES, _EXACT, _ALL = 0, 1, 2
+
+
+def _sample_choice(policy, query, cache, scale):
+  """Auto's strategy per (batch, kv head) row, from a strided sample of
+  ``AUTO_SAMPLE`` keys (``auto_sample_need``):
+
+  - the codes (``_CODES``) when some query of the row's group needs at most
+    ``AUTO_THRESHOLD`` of the sample (measured: experiments/bound_study.py);
+  - otherwise every key kept (``_ALL``; tv_bound 0): the row looks flat,
+    and a row that keeps more than n / 32 keys takes the dense value
+    product anyway, so a search would cost the logits, the threshold's
+    passes and a dense product: more than dense attention. A row the
+    sample misses (its mass on a few keys it did not draw) costs dense;
+  - the exact search (``_EXACT``) where a ``max_topk`` caps the kept set,
+    and on rows of fewer than ``AUTO_MIN_KEYS`` keys (no sample drawn).
+
+  Only the strategy depends on the sample; every certificate is computed
+  from what was scored.
 
   Returns:
-    ``(use, extra)``: ``[b, hk]`` bool (take the codes) and ``[b, hk]``
-    int32 products the sample cost (0 where none was drawn).
+    ``(choice, extra)``: ``[b, hk]`` int32 (``_CODES``, ``_EXACT`` or
+    ``_ALL``) and ``[b, hk]`` int32 products the sample cost (0 where none
+    was drawn).
   """
   m = AUTO_SAMPLE
   q_in, q = _queries(query, cache)  # [b, hk, g, d]
   length = cache.length  # [b]
-  pos = auto_sample_positions(length, m)  # [b, m]
-  codes = jax.vmap(lambda c, p: c[:, :, p])(cache.key_codes, pos)
-  expo = jax.vmap(lambda e, p: e[:, p])(cache.key_exponents, pos)
-  u, lo = key_codes.code_bounds(q_in, codes, expo, scale=scale)
-  s = 0.5 * (u + lo)  # [b, hk, g, m]: the code estimate of the logits
-  p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
-  p = -jnp.sort(-p / jnp.sum(p, -1, keepdims=True), axis=-1)
-  need = jnp.sum(jnp.cumsum(p, -1) < 1 - policy.eps, -1) + 1  # [b, hk, g]
+  need = auto_sample_need(
+    q_in,
+    cache.key_codes,
+    cache.key_exponents,
+    length,
+    eps=policy.eps,
+    scale=scale,
+  )  # [b, hk, g]
   long_row = (length >= AUTO_MIN_KEYS)[:, None]  # [b, 1]
-  use = long_row & jnp.any(need <= AUTO_THRESHOLD * m, -1)  # NaN: False
+  codes = long_row & jnp.any(need <= AUTO_THRESHOLD * m, -1)
+  whole = long_row & (policy.max_topk is None)
+  choice = jnp.where(codes, _CODES, jnp.where(whole, _ALL, _EXACT))
   cost = key_codes.code_cost(m, q.shape[-1], cache.keys.dtype)
-  extra = jnp.broadcast_to(jnp.where(long_row, cost, 0), use.shape)
-  return use, extra.astype(jnp.int32)
+  extra = jnp.broadcast_to(jnp.where(long_row, cost, 0), choice.shape)
+  return choice.astype(jnp.int32), extra.astype(jnp.int32)
 
 
 def _certified_codes(
@@ -823,9 +862,8 @@ def _certified_codes(
   q_in, q = _queries(query, cache)
   dt = q.dtype
   n = cache.max_len
-  u, lo = key_codes.code_bounds(
-    q_in, cache.key_codes, cache.key_exponents, scale=scale
-  )  # [b, hk, g, n]
+  codes = _cache.dense_rows(cache.key_codes)  # paged: gathered here
+  u, lo = key_codes.code_bounds(q_in, codes, cache.key_exponents, scale=scale)
   st = _step(query, cache, scale, s=u, **kw)
   real = st.real
   n_terms = 2 * n
@@ -953,14 +991,14 @@ def _codes_rows(
 ):
   """Certified over the key codes; with ``Auto``, each row its own choice.
 
-  ``bound='codes'``: every row runs ``_certified_codes``. ``Auto``: rows
-  whose sample (``_sample_says_codes``) says the codes do not pay,
-  or that hold fewer than ``AUTO_MIN_KEYS`` keys, run the exact search and
-  cost their keys plus the sample; the others run the codes. When every
-  row of the batch makes the same choice the batch runs it at once; a
-  mixed batch runs row by row (``lax.map``, each row its own branch), so a
-  flat row never pays for codes and a concentrated one never for the exact
-  search.
+  ``bound='codes'``: every row runs ``_certified_codes``. ``Auto``: each
+  row runs what its sample chose (``_sample_choice``: the codes, the exact
+  search, or every key kept); rows of fewer than ``AUTO_MIN_KEYS`` keys
+  run the exact search. Rows that drew a sample add its cost to
+  ``keys_scored``. When every row of the batch makes the same choice the
+  batch runs it at once; a mixed batch runs row by row (``lax.map``, each
+  row its own branch), so a flat row never pays for codes and a
+  concentrated one never for the exact search.
   """
   b, _, h, _ = query.shape
   hk = cache.keys.shape[1]
@@ -969,51 +1007,69 @@ def _codes_rows(
   codes = functools.partial(_certified_codes, **kw)
   if policy.search.name != "auto":
     return codes(policy, query, cache, scale, jnp.int32(0))
-  use, extra = _sample_says_codes(policy, query, cache, scale)  # [b, hk]
-  extra_g = jnp.broadcast_to(extra[..., None], (b, hk, g))
-
-  def all_codes():
-    return codes(policy, query, cache, scale, extra_g)
+  choice, extra = _sample_choice(policy, query, cache, scale)  # [b, hk]
 
   def exact(q, c, x):
-    step = _step(q, c, scale, **kw)
-    out, cert, lse = _certified_exact(policy, step)
-    cert = dataclasses.replace(cert, keys_scored=cert.keys_scored + x)
-    return out, cert, lse
+    out, cert, lse = _certified_exact(policy, _step(q, c, scale, **kw))
+    return out, _plus_scored(cert, x), lse
+
+  def keep_all(q, c, x):
+    st = _step(q, c, scale, **kw)
+    out, cert, lse = _finish(st, _full_row(st, st.real, st.s.shape[-1]))
+    return out, _plus_scored(cert, x), lse
+
+  def branches(q, c, x):  # indexed by _CODES, _EXACT, _ALL
+    return [
+      lambda: codes(policy, q, c, scale, x),
+      lambda: exact(q, c, x),
+      lambda: keep_all(q, c, x),
+    ]
+
+  def uniform():
+    x = jnp.broadcast_to(extra[..., None], (b, hk, g))
+    return lax.switch(choice[0, 0], branches(query, cache, x))
 
   def mixed():
     qr = query.reshape(b * hk, 1, g, -1)
 
     def row(args):
-      q1, r, u1, x1 = args
-      c1, q1 = _one_row(r), q1[None]  # a cache of one row, [1, 1, g, d]
+      q1, r, c1, x1 = args
       x1 = jnp.broadcast_to(x1, (1, 1, g))
-      return lax.cond(
-        u1,
-        lambda: codes(policy, q1, c1, scale, x1),
-        lambda: exact(q1, c1, x1),
-      )
+      # A cache of one row; the query [1, 1, g, d].
+      return lax.switch(c1, branches(q1[None], _one_row(r), x1))
 
-    xs = (qr, _rows(cache), use.reshape(-1), extra.reshape(-1))
+    xs = (qr, _rows(cache), choice.reshape(-1), extra.reshape(-1))
     out, cert, lse = lax.map(row, xs)  # [b hk, 1, 1, g, ...]
     out = out.reshape(b, hk, g, -1)
     rows = jax.tree.map(lambda x: x.reshape(b, hk, g), (cert, lse))
     return out, *rows
 
-  return lax.cond(
-    jnp.all(use),
-    all_codes,
-    lambda: lax.cond(jnp.any(use), mixed, lambda: exact(query, cache, extra_g)),
-  )
+  return lax.cond(jnp.all(choice == choice[0, 0]), uniform, mixed)
+
+
+def _plus_scored(cert: Certificate, extra) -> Certificate:
+  """``cert`` with ``extra`` products (a sample's) added to keys_scored."""
+  return dataclasses.replace(cert, keys_scored=cert.keys_scored + extra)
 
 
 @functools.partial(
   jax.jit,
-  static_argnames=("policy", "static_scale", "residual", "candidates"),
+  static_argnames=("policy", "static_scale", "residual", "candidates", "view"),
 )
 def _xla_decode(
-  query, cache, rng, scale, *, policy, static_scale, residual, candidates
+  query,
+  cache,
+  rng,
+  scale,
+  *,
+  policy,
+  static_scale,
+  residual,
+  candidates,
+  view=None,
 ):
+  if view is not None:  # e.g. a paged cache's KVCache view, in the program
+    cache = view(cache)
   b, q_len, h, _ = query.shape
   hk = cache.keys.shape[1]
   scale = scale if static_scale is None else static_scale
@@ -1048,10 +1104,19 @@ def xla_decode_attention(
   query, cache, rng, *, policy, scale, return_residual=False
 ):
   """The XLA implementation of ``decode_attention`` (see there)."""
+  return decode_over(
+    query, cache, rng, policy=policy, scale=scale, residual=return_residual
+  )
+
+
+def decode_over(query, cache, rng, *, policy, scale, residual, view=None):
+  """``xla_decode_attention`` over ``view(cache)``, a KVCache built inside
+  the compiled program (None: ``cache`` is one), so that what the
+  decode does not read of it is never built (a paged cache's view)."""
   checks.check_policy(policy, _BACKEND, SUPPORTS)
   # Read per call (a static argument): the path follows the constant.
-  candidates = cache.keys.shape[2] >= CANDIDATE_MIN_KEYS
-  kw = dict(policy=policy, residual=return_residual, candidates=candidates)
+  candidates = cache.max_len >= CANDIDATE_MIN_KEYS
+  kw = dict(policy=policy, residual=residual, candidates=candidates, view=view)
   if isinstance(scale, float):  # static: exact in any compute dtype
     return _xla_decode(query, cache, rng, None, static_scale=scale, **kw)
   return _xla_decode(query, cache, rng, scale, static_scale=None, **kw)

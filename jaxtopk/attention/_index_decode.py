@@ -544,21 +544,16 @@ def _codes_search(
 def _index_sample(query, index, dyn_scale=None, *, eps, scale):
   """``[b, 1, h]`` (the row's kv head looks concentrated enough for the
   codes, the sample's cost) from the codes of ``AUTO_SAMPLE`` stored keys
-  of each row (``_decode.auto_sample_positions``; ``_decode``'s rule)."""
+  of each row (``_decode.auto_sample_need``; ``_decode``'s rule)."""
   scale, _ = _scale_of(scale, dyn_scale)
   m = _decode.AUTO_SAMPLE
   b, _, h, d = query.shape
   hk = index.keys.shape[1]
   qg = query.reshape(b, hk, h // hk, d)
   ln = index.length  # [b]
-  pos = _decode.auto_sample_positions(ln, m)  # [b, m]
-  codes = jax.vmap(lambda c, p: c[:, :, p])(index.key_codes, pos)
-  expo = jax.vmap(lambda e, p: e[:, p])(index.key_exponents, pos)
-  u, lo = key_codes.code_bounds(qg, codes, expo, scale=scale)
-  s = 0.5 * (u + lo)  # [b, hk, g, m]: the code estimate of the logits
-  p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
-  p = -jnp.sort(-p / jnp.sum(p, -1, keepdims=True), axis=-1)  # decreasing
-  need = jnp.sum(jnp.cumsum(p, -1) < 1 - eps, -1) + 1
+  need = _decode.auto_sample_need(
+    qg, index.key_codes, index.key_exponents, ln, eps=eps, scale=scale
+  )
   long_row = (ln >= _decode.AUTO_MIN_KEYS)[:, None, None]
   use = long_row & (need <= _decode.AUTO_THRESHOLD * m)
   use = jnp.any(use, -1, keepdims=True) & jnp.ones_like(use)  # per kv head

@@ -17,12 +17,14 @@ free list and empties them (keys, values and summaries reset), so a page
 reused by another sequence carries nothing of its previous owner.
 
 ``decode_attention`` over a PagedKVCache is the registry's op
-'paged_decode' (implementation 'xla'): it gathers each sequence's pages
-into a contiguous ``KVCache`` (``gather``; O(max_pages_per_seq x
-page_size) per sequence, as reading every key costs) and runs the XLA
-decode on it, so every policy, certificate and q_len >= 1 behave as on the
-contiguous cache. A decode that reads only the pages its bounds cannot
-rule out is not written yet: the gather reads every page.
+'paged_decode' (implementation 'xla'): the XLA decode over a view of the
+pages as a contiguous ``KVCache``, built inside the decode's compiled
+program (``_view``): the summaries gathered page by page, the keys and
+values ``_cache.PageRows`` that the decode reads where it reads them.
+Every policy, certificate and q_len >= 1 behave as on the contiguous cache
+(equal bit for bit); a search that scores a few candidates (the key codes)
+reads their keys and values straight from the pool, and nothing else of
+them. ``gather`` builds the whole contiguous cache.
 """
 
 import dataclasses
@@ -33,6 +35,7 @@ import numpy as np
 
 from jaxtopk.attention import _cache
 from jaxtopk.attention import _decode
+from jaxtopk.attention import checks
 from jaxtopk.attention import registry
 from jaxtopk.attention._cache import KVCache
 from jaxtopk.selection import core
@@ -352,26 +355,23 @@ def _release(cache: PagedKVCache, done):
   )
 
 
-@jax.jit
-def _gather(cache: PagedKVCache) -> KVCache:
+def _view(cache: PagedKVCache) -> KVCache:
+  """Each sequence's pages as a KVCache whose keys, values and key codes
+  are ``_cache.PageRows`` (read from the pool where the decode reads them)
+  and whose other summaries are gathered: the cache the same appends would
+  have built contiguously."""
   pool, table = cache.pool, cache.page_table
-  b, m = table.shape
 
   def rows(x, axis):
-    """Pages [P, h, ..., ps, ...] of each slot, slots joined on ``axis``."""
-    g = x[table]  # [b, m, h, ...]
-    g = jnp.moveaxis(g, 1, axis)  # slots next to the page axis
-    shape = list(g.shape)
-    shape[axis : axis + 2] = [shape[axis] * shape[axis + 1]]
-    return g.reshape(shape)
+    return _cache.PageRows(x, table, axis).dense()
 
   def per_seq(x):
     """Running maxima of a sequence: over its pages (NaN kept)."""
     return core.max_nan(x[table], axis=1)
 
   return KVCache(
-    keys=rows(pool.keys, 2),
-    values=rows(pool.values, 2),
+    keys=_cache.PageRows(pool.keys, table),
+    values=_cache.PageRows(pool.values, table),
     length=cache.length,
     kmin=rows(pool.kmin, 2),
     kmax=rows(pool.kmax, 2),
@@ -381,15 +381,30 @@ def _gather(cache: PagedKVCache) -> KVCache:
     knorm=per_seq(pool.knorm),
     kflushed=jnp.any(pool.kflushed[table], axis=1),
     vmax=per_seq(pool.vmax),
-    key_codes=rows(pool.key_codes, 3),
+    key_codes=_cache.PageRows(pool.key_codes, table, 3),
     key_exponents=rows(pool.key_exponents, 2),
     block_size=pool.block_size,
   )
 
 
-def _paged_op(query, cache, **kw):
+@jax.jit
+def _gather(cache: PagedKVCache) -> KVCache:
+  return _cache.dense_cache(_view(cache))
+
+
+def _paged_op(query, cache, *, policy, scale, key, return_residual=False):
   _cache.check_live(cache, "decode_attention")
-  return _decode.XLA_DECODE.fn(query, _gather(cache), **kw)
+  shapes = jax.eval_shape(_gather, cache)
+  scale, rng = checks.check_decode_call(query, shapes, policy, scale, key)
+  return _decode.decode_over(
+    query,
+    cache,
+    rng,
+    policy=policy,
+    scale=scale,
+    residual=return_residual,
+    view=_view,
+  )
 
 
 PAGED_DECODE = registry.register(

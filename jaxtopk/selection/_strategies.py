@@ -10,9 +10,11 @@ found, and carries the fields that only that search reads:
   whatever honours the exact search honours Auto); the XLA decode over a
   ``KVCache`` or a content index bounds each key from its 8-bit code
   (``Codes``) where a small sample of code estimates says the row is
-  concentrated enough to pay, the XLA prefill runs Delta-Search at tile
-  granularity and scores every key of a tile where that does not pay. An
-  explicitly named strategy is always run as named.
+  concentrated enough to pay, and keeps every key where it says the row is
+  flat (no search can pay there: tv_bound 0 at dense cost); the XLA
+  prefill runs Delta-Search at tile granularity and scores every key of a
+  tile where that does not pay. An explicitly named strategy is always run
+  as named.
 - ``Exact(block_size)``: every logit scored, minimal certified set by
   threshold search (THEORY 6.1).
 - ``DeltaSearch(block_size, bound)``: blocks scored in order of an upper

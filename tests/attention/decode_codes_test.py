@@ -122,7 +122,7 @@ class AutoDecodeTest(parameterized.TestCase):
     )
 
   @pytest.mark.slow  # one compilation of the per-row map
-  def test_flat_rows_cost_the_keys_and_peaked_rows_save(self):
+  def test_each_row_takes_the_strategy_its_sample_chose(self):
     rng = np.random.default_rng(1)
     d = 8
     k = np.float32(rng.normal(size=(self.N, d)))
@@ -130,13 +130,31 @@ class AutoDecodeTest(parameterized.TestCase):
     q = np.float32(np.stack([rng.normal(size=d) * 1e-3, k[7] * 8.0]))
     out, cert = self._decode(q, k)
     scored = np.asarray(cert.keys_scored[0, 0])
-    # Flat: the exact search (every key) plus the codes of the 32-key
-    # sample that chose it.
+    kept = np.asarray(cert.k_kept[0, 0])
+    # Flat: every key kept (no search: tv 0), the codes of the 32-key
+    # sample that chose it counted.
     sample = int(key_codes.code_cost(_decode.AUTO_SAMPLE, 8, jnp.float32))
     self.assertEqual(int(scored[0]), self.N + sample)
+    self.assertEqual(int(kept[0]), self.N)
+    self.assertEqual(float(cert.tv_bound[0, 0, 0]), 0.0)
+    # Peaked: the codes save.
     self.assertLess(int(scored[1]), self.N // 2)
     policy = jaxtopk.Certified(0.05)
     _check_row(self, out, cert, q, k, self.N, policy, jnp.float32)
+
+  def test_a_capped_row_is_never_kept_whole(self):
+    # max_topk caps the kept set: a flat row runs the exact search.
+    rng = np.random.default_rng(3)
+    d = 8
+    k = jnp.float32(rng.normal(size=(1, self.N, 1, d)))
+    q = jnp.float32(rng.normal(size=(1, 1, 1, d)) * 1e-3)
+    cache = jaxtopk.KVCache.create(1, self.N, 1, d).append(k, k)
+    for policy, want in [
+      (jaxtopk.Certified(0.05), _decode._ALL),
+      (jaxtopk.Certified(0.05, max_topk=16), _decode._EXACT),
+    ]:
+      choice, _ = _decode._sample_choice(policy, q, cache, d**-0.5)
+      self.assertEqual(int(choice[0, 0]), want, policy)
 
   def test_platforms_without_the_codes_run_the_exact_search(self):
     rng = np.random.default_rng(2)

@@ -3,10 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 
 import jaxtopk
+from jaxtopk.attention import _decode
 from jaxtopk.attention.registry import UnsupportedCacheError
 from tests import rand
 
@@ -94,6 +96,34 @@ class PagedKVCacheTest(parameterized.TestCase):
       np.testing.assert_array_equal(o1, o2)
       for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2), strict=True):
         np.testing.assert_array_equal(a, b)
+
+  @pytest.mark.slow  # caches of AUTO_MIN_KEYS positions: the key codes
+  def test_key_code_decode_reads_the_pool_and_equals_contiguous(self):
+    # Auto's every branch (codes, exact, every key kept; one row short of
+    # AUTO_MIN_KEYS) and the codes bound, its candidates read from the pool.
+    ps, m, h, d = 64, 16, 2, 8
+    n = ps * m
+    self.assertEqual(n, _decode.AUTO_MIN_KEYS)
+    rng = rand.generator(4)
+    paged = jaxtopk.PagedKVCache.create(2, 2 * m, ps, h, d, max_pages_per_seq=m)
+    flat = jaxtopk.KVCache.create(2, n, h, d, block_size=ps)
+    k = jnp.asarray(rng.standard_normal((2, n, h, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, n, h, d)), jnp.float32)
+    num = jnp.asarray([n, n - 100])
+    paged = paged.append(k, v, num_steps=num)
+    flat = flat.append(k, v, num_steps=num)
+    # Head group 0 peaked on a key (codes), group 1 flat (every key kept).
+    q = jnp.stack([k[:, 7, 0] * 6.0, k[:, 9, 1] * 1e-3], 1)[:, None]
+    for policy in (
+      jaxtopk.Certified(0.05),
+      jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(ps, bound=jaxtopk.Codes())),
+    ):
+      o1, c1 = jaxtopk.decode_attention(q, paged, policy=policy)
+      o2, c2 = jaxtopk.decode_attention(q, flat, policy=policy)
+      np.testing.assert_array_equal(o1, o2)
+      for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2), strict=True):
+        np.testing.assert_array_equal(a, b)
+      self.assertLess(int(c1.keys_scored[0, 0, 0]), n // 2)  # the codes
 
   def test_released_pages_carry_nothing_to_their_next_owner(self):
     rng = rand.generator(2)
