@@ -8,6 +8,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import jaxtopk
+from jaxtopk.attention import _cache
 from jaxtopk.attention import _decode
 from jaxtopk.attention.registry import UnsupportedCacheError
 from tests import rand
@@ -97,10 +98,32 @@ class PagedKVCacheTest(parameterized.TestCase):
       for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2), strict=True):
         np.testing.assert_array_equal(a, b)
 
-  @pytest.mark.slow  # caches of AUTO_MIN_KEYS positions: the key codes
+  def test_page_rows_read_what_the_gather_holds(self):
+    # The lazy reads of the decode's view: whole, at chosen positions, and
+    # the key codes' sample positions (d-major, positions on axis 3).
+    rng = rand.generator(5)
+    paged, _ = _pair()
+    for steps, num in CHUNKS:
+      paged = paged.append(*_steps(rng, steps), num_steps=num)
+    whole = paged.gather()
+    table = paged.page_table
+    keys = _cache.PageRows(paged.pool.keys, table)
+    codes = _cache.PageRows(paged.pool.key_codes, table, 3)
+    np.testing.assert_array_equal(keys.dense(), whole.keys)
+    np.testing.assert_array_equal(codes.dense(), whole.key_codes)
+    idx = jnp.asarray(rng.integers(0, M * PS, (B, H, 2, 6)), jnp.int32)
+    np.testing.assert_array_equal(
+      _cache.take_rows(keys, idx), _cache.take_rows(whole.keys, idx)
+    )
+    pos = jnp.asarray(rng.integers(0, M * PS, (B, 4)), jnp.int32)
+    np.testing.assert_array_equal(
+      _cache.at_positions(codes, pos, 3),
+      _cache.at_positions(whole.key_codes, pos, 3),
+    )
+
+  @pytest.mark.slow  # a cache of AUTO_MIN_KEYS positions: the key codes
   def test_key_code_decode_reads_the_pool_and_equals_contiguous(self):
-    # Auto's every branch (codes, exact, every key kept; one row short of
-    # AUTO_MIN_KEYS) and the codes bound, its candidates read from the pool.
+    # The codes bound: its candidates' keys and values read from the pool.
     ps, m, h, d = 64, 16, 2, 8
     n = ps * m
     self.assertEqual(n, _decode.AUTO_MIN_KEYS)
@@ -112,18 +135,16 @@ class PagedKVCacheTest(parameterized.TestCase):
     num = jnp.asarray([n, n - 100])
     paged = paged.append(k, v, num_steps=num)
     flat = flat.append(k, v, num_steps=num)
-    # Head group 0 peaked on a key (codes), group 1 flat (every key kept).
-    q = jnp.stack([k[:, 7, 0] * 6.0, k[:, 9, 1] * 1e-3], 1)[:, None]
-    for policy in (
-      jaxtopk.Certified(0.05),
-      jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(ps, bound=jaxtopk.Codes())),
-    ):
-      o1, c1 = jaxtopk.decode_attention(q, paged, policy=policy)
-      o2, c2 = jaxtopk.decode_attention(q, flat, policy=policy)
-      np.testing.assert_array_equal(o1, o2)
-      for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2), strict=True):
-        np.testing.assert_array_equal(a, b)
-      self.assertLess(int(c1.keys_scored[0, 0, 0]), n // 2)  # the codes
+    q = jnp.stack([k[:, 7, 0] * 6.0, k[:, 9, 1] * 6.0], 1)[:, None]
+    policy = jaxtopk.Certified(
+      0.05, jaxtopk.DeltaSearch(ps, bound=jaxtopk.Codes())
+    )
+    o1, c1 = jaxtopk.decode_attention(q, paged, policy=policy)
+    o2, c2 = jaxtopk.decode_attention(q, flat, policy=policy)
+    np.testing.assert_array_equal(o1, o2)
+    for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2), strict=True):
+      np.testing.assert_array_equal(a, b)
+    self.assertTrue(np.all(np.asarray(c1.keys_scored) < n // 2))
 
   def test_released_pages_carry_nothing_to_their_next_owner(self):
     rng = rand.generator(2)
