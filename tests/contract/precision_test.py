@@ -12,7 +12,9 @@ floating ``dot_general`` must carry ``precision = [HIGHEST, HIGHEST]``
 for any projection).
 """
 
+import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -41,22 +43,37 @@ def _cache(k, v):
   return cache.append(k, v)
 
 
+@functools.cache
+def _data():
+  """The inputs, cache and index of every path: built on first use, not
+  when pytest collects the module (every xdist worker collects it)."""
+  q, k, v = _inputs()
+  rows_q = q.reshape(-1, D)
+  rows_k = jnp.broadcast_to(k[0, :, 0], (rows_q.shape[0], N, D))
+  return types.SimpleNamespace(
+    q=q,
+    k=k,
+    v=v,
+    q1=q[:, :1],
+    cache=_cache(k, v),
+    index=jaxtopk.IndexedKVCache.build(k, v, group_size=BS),
+    pos=jnp.zeros((B, 1, 1, 3), jnp.int32),
+    key=jax.random.key(0),
+    rows_q=rows_q,
+    rows_k=rows_k,
+    rows_v=jnp.broadcast_to(v[0, :, 0], (rows_q.shape[0], N, E)),
+    logits=jnp.einsum("rd,rnd->rn", rows_q, rows_k, precision=core.PRECISION),
+  )
+
+
 def _paths():
   """name -> a function of no argument running one certified path."""
-  q, k, v = _inputs()
-  q1 = q[:, :1]
-  cache = _cache(k, v)
-  index = jaxtopk.IndexedKVCache.build(k, v, group_size=BS)
-  pos = jnp.zeros((B, 1, 1, 3), jnp.int32)
-  key = jax.random.key(0)
+  x = _data
   delta = jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=BS))
   mc = jaxtopk.Certified(0.1, jaxtopk.MCSearch(block_size=BS, num_samples=2))
   lowrank = jaxtopk.Certified(
     0.1, jaxtopk.DeltaSearch(block_size=BS, bound=jaxtopk.LowRank(2))
   )
-  rows_q = q.reshape(-1, D)
-  rows_k = jnp.broadcast_to(k[0, :, 0], (rows_q.shape[0], N, D))
-  rows_v = jnp.broadcast_to(v[0, :, 0], (rows_q.shape[0], N, E))
   paths = {}
   for name, pol in (
     ("dense", jaxtopk.Dense()),
@@ -65,7 +82,7 @@ def _paths():
     ("delta", delta),
   ):
     paths[f"topk_attention_{name}"] = lambda pol=pol: jaxtopk.topk_attention(
-      q, k, v, policy=pol
+      x().q, x().k, x().v, policy=pol
     )
   for name, pol in (
     ("fixed_k", jaxtopk.FixedK(3)),
@@ -74,14 +91,16 @@ def _paths():
     ("mc", mc),
   ):
     paths[f"decode_kvcache_{name}"] = lambda pol=pol: jaxtopk.decode_attention(
-      q1, cache, policy=pol, rng=key
+      x().q1, x().cache, policy=pol, rng=x().key
     )
     paths[f"decode_index_{name}"] = lambda pol=pol: jaxtopk.decode_attention(
-      q1, index, policy=pol, rng=key
+      x().q1, x().index, policy=pol, rng=x().key
     )
-  paths["certify_selection"] = lambda: jaxtopk.certify_selection(q1, index, pos)
+  paths["certify_selection"] = lambda: jaxtopk.certify_selection(
+    x().q1, x().index, x().pos
+  )
   paths["grow_selection"] = lambda: jaxtopk.grow_selection(
-    q1, index, pos, eps=0.1
+    x().q1, x().index, x().pos, eps=0.1
   )
   for name, pol in (
     ("exact", jaxtopk.Certified(0.1, jaxtopk.Auto(block_size=BS))),
@@ -91,12 +110,11 @@ def _paths():
   ):
     paths[f"certified_search_{name}"] = lambda pol=pol: (
       jaxtopk.certified_search(
-        rows_q, rows_k, policy=pol, values=rows_v, rng=key
+        x().rows_q, x().rows_k, policy=pol, values=x().rows_v, rng=x().key
       )
     )
-  logits = jnp.einsum("rd,rnd->rn", rows_q, rows_k, precision=core.PRECISION)
   paths["select"] = lambda: jaxtopk.select(
-    logits, jaxtopk.Certified(0.1), values=rows_v
+    x().logits, jaxtopk.Certified(0.1), values=x().rows_v
   )
   return paths
 
@@ -143,6 +161,10 @@ def _unpinned_dots(text):
 
 
 class PrecisionTest(parameterized.TestCase):
+  def setUp(self):
+    super().setUp()
+    _data()  # built outside any trace (the paths run under jit)
+
   @parameterized.named_parameters(*[(name, name) for name in PATHS])
   def test_certificate_products_at_highest_precision(self, name):
     exported = jax.export.export(

@@ -6,6 +6,9 @@ true tau of 0.99. A static scale below ``core.MIN_SCALE`` is refused by name
 on every path; a traced one makes its rows invalid.
 """
 
+import functools
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,37 +31,52 @@ def _inputs():
   return q, k, v
 
 
+@functools.cache
+def _data():
+  """Inputs, cache, index and mesh: built on first use, not when pytest
+  collects the module (every xdist worker collects it)."""
+  q, k, v = _inputs()
+  cache = jaxtopk.KVCache.create(1, N, 1, D, block_size=4, value_dim=3)
+  return types.SimpleNamespace(
+    q=q,
+    k=k,
+    v=v,
+    q1=q[:, :1],
+    cache=cache.append(k, v),
+    index=jaxtopk.IndexedKVCache.build(k, v, group_size=4),
+    pos=np.zeros((1, 1, 1, 1), np.int32),
+    mesh=parallel.make_mesh({"kv": 1}),
+  )
+
+
 def _paths():
   """name -> fn(scale) running one public path."""
-  q, k, v = _inputs()
-  q1 = q[:, :1]
-  cache = jaxtopk.KVCache.create(1, N, 1, D, block_size=4, value_dim=3)
-  cache = cache.append(k, v)
-  index = jaxtopk.IndexedKVCache.build(k, v, group_size=4)
-  pos = np.zeros((1, 1, 1, 1), np.int32)
+  x = _data
   delta = jaxtopk.Certified(0.1, jaxtopk.DeltaSearch(block_size=4))
-  mesh = parallel.make_mesh({"kv": 1})
   return {
     "topk_attention": lambda s: jaxtopk.topk_attention(
-      q, k, v, policy=jaxtopk.FixedK(1), scale=s
+      x().q, x().k, x().v, policy=jaxtopk.FixedK(1), scale=s
     ),
     "decode_kvcache": lambda s: jaxtopk.decode_attention(
-      q1, cache, policy=delta, scale=s
+      x().q1, x().cache, policy=delta, scale=s
     ),
     "decode_index": lambda s: jaxtopk.decode_attention(
-      q1, index, policy=delta, scale=s
+      x().q1, x().index, policy=delta, scale=s
     ),
     "certify_selection": lambda s: jaxtopk.certify_selection(
-      q1, index, pos, scale=s
+      x().q1, x().index, x().pos, scale=s
     ),
     "grow_selection": lambda s: jaxtopk.grow_selection(
-      q1, index, pos, eps=0.1, scale=s
+      x().q1, x().index, x().pos, eps=0.1, scale=s
     ),
     "sharded_topk_attention": lambda s: parallel.sharded_topk_attention(
-      q, k, v, policy=jaxtopk.FixedK(1), mesh=mesh, scale=s
+      x().q, x().k, x().v, policy=jaxtopk.FixedK(1), mesh=x().mesh, scale=s
     ),
     "certified_search": lambda s: jaxtopk.certified_search(
-      q[0, 0], jnp.broadcast_to(k[0, :, 0], (2, N, D)), policy=delta, scale=s
+      x().q[0, 0],
+      jnp.broadcast_to(x().k[0, :, 0], (2, N, D)),
+      policy=delta,
+      scale=s,
     ),
   }
 
@@ -73,6 +91,10 @@ def _cert(result):
 
 
 class SubnormalScaleTest(parameterized.TestCase):
+  def setUp(self):
+    super().setUp()
+    _data()  # built outside any trace (the paths run under jit)
+
   @parameterized.named_parameters(*[(n, n) for n in PATHS])
   def test_static_subnormal_scale_refused(self, name):
     with self.assertRaisesRegex(ValueError, r"scale=1\.1e-38"):
