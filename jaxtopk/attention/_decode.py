@@ -103,7 +103,8 @@ CANDIDATE_MIN_KEYS = 8192
 # at most AUTO_THRESHOLD of its keys for 1 - eps of its mass
 # (experiments/bound_study.py: over the 72 MiniLM heads no head then costs
 # more than the exact search plus the sample, and the concentrated heads
-# keep their saving), and keep every key otherwise (``_sample_choice``).
+# keep their saving), and keep every key otherwise (``_sample_choice``);
+# a batch takes the codes only when every row chose them (``_codes_rows``).
 AUTO_MIN_KEYS = 1024
 # Platforms where the key-code path was measured to pay. On an H100 (jax
 # 0.11, docs/performance.md "GPU") it cost 4.5-4.9x the logits floor at n =
@@ -730,28 +731,6 @@ def _by_codes(policy: Certified, cache: KVCache) -> bool:
   return policy.bound is not None and policy.bound.name == "codes"
 
 
-def _rows(cache: KVCache) -> KVCache:
-  """The cache with ``[batch * kv_heads]`` leading rows (``length`` per
-  row), for ``lax.map``."""
-  b, hk = cache.keys.shape[:2]
-
-  def flat(x):
-    return x.reshape(b * hk, *x.shape[2:])
-
-  cache = _cache.dense_cache(cache)
-  rows = jax.tree.map(flat, dataclasses.replace(cache, length=cache.kflushed))
-  length = jnp.repeat(cache.length, hk)
-  return dataclasses.replace(rows, length=length)
-
-
-def _one_row(row: KVCache) -> KVCache:
-  """A ``lax.map`` slice of ``_rows`` as a cache of batch 1, one kv head."""
-  cache = jax.tree.map(
-    lambda x: x[None, None], dataclasses.replace(row, length=row.kflushed)
-  )
-  return dataclasses.replace(cache, length=row.length[None])
-
-
 def auto_sample_positions(length, m):
   """``[b, m]`` positions of Auto's sample: ``j length / m``, j < m (the
   first position, where attention sinks sit, included). Adding the most
@@ -797,6 +776,7 @@ def _sample_choice(policy, query, cache, scale):
   - the exact search (``_EXACT``) where a ``max_topk`` caps the kept set,
     and on rows of fewer than ``AUTO_MIN_KEYS`` keys (no sample drawn).
 
+  The batch runs the most general choice of its rows (``_codes_rows``).
   Only the strategy depends on the sample; every certificate is computed
   from what was scored.
 
@@ -989,62 +969,43 @@ def _codes_rows(
   residual=False,
   candidates=True,
 ):
-  """Certified over the key codes; with ``Auto``, each row its own choice.
+  """Certified over the key codes; with ``Auto``, the batch's choice.
 
   ``bound='codes'``: every row runs ``_certified_codes``. ``Auto``: each
-  row runs what its sample chose (``_sample_choice``: the codes, the exact
-  search, or every key kept); rows of fewer than ``AUTO_MIN_KEYS`` keys
-  run the exact search. Rows that drew a sample add its cost to
-  ``keys_scored``. When every row of the batch makes the same choice the
-  batch runs it at once; a mixed batch runs row by row (``lax.map``, each
-  row its own branch), so a flat row never pays for codes and a
-  concentrated one never for the exact search.
+  (batch, kv head) row's sample chooses (``_sample_choice``) and the batch
+  runs the most general choice of its rows (``_CODES`` < ``_EXACT`` <
+  ``_ALL``), batched: the codes when every row chose them, every key kept
+  when some row looks flat (no ``max_topk``), the exact search otherwise.
+  No loop over rows: a ``lax.map`` over (batch, kv head) rows, each its
+  own branch, copied every row's keys and values out of the cache and
+  cost 4x dense attention at n = 32K, 8 heads (CPU; docs/performance.md),
+  where keeping every key of a mixed batch costs 1.4x. Rows that drew a
+  sample add its cost to ``keys_scored``.
   """
   b, _, h, _ = query.shape
   hk = cache.keys.shape[1]
   g = h // hk
   kw = dict(q_len=q_len, residual=residual, candidates=candidates)
-  codes = functools.partial(_certified_codes, **kw)
   if policy.search.name != "auto":
-    return codes(policy, query, cache, scale, jnp.int32(0))
+    return _certified_codes(policy, query, cache, scale, jnp.int32(0), **kw)
   choice, extra = _sample_choice(policy, query, cache, scale)  # [b, hk]
+  x = jnp.broadcast_to(extra[..., None], (b, hk, g))
 
-  def exact(q, c, x):
-    out, cert, lse = _certified_exact(policy, _step(q, c, scale, **kw))
+  def codes():
+    return _certified_codes(policy, query, cache, scale, x, **kw)
+
+  def exact():
+    st = _step(query, cache, scale, **kw)
+    out, cert, lse = _certified_exact(policy, st)
     return out, _plus_scored(cert, x), lse
 
-  def keep_all(q, c, x):
-    st = _step(q, c, scale, **kw)
+  def keep_all():
+    st = _step(query, cache, scale, **kw)
     out, cert, lse = _finish(st, _full_row(st, st.real, st.s.shape[-1]))
     return out, _plus_scored(cert, x), lse
 
-  def branches(q, c, x):  # indexed by _CODES, _EXACT, _ALL
-    return [
-      lambda: codes(policy, q, c, scale, x),
-      lambda: exact(q, c, x),
-      lambda: keep_all(q, c, x),
-    ]
-
-  def uniform():
-    x = jnp.broadcast_to(extra[..., None], (b, hk, g))
-    return lax.switch(choice[0, 0], branches(query, cache, x))
-
-  def mixed():
-    qr = query.reshape(b * hk, 1, g, -1)
-
-    def row(args):
-      q1, r, c1, x1 = args
-      x1 = jnp.broadcast_to(x1, (1, 1, g))
-      # A cache of one row; the query [1, 1, g, d].
-      return lax.switch(c1, branches(q1[None], _one_row(r), x1))
-
-    xs = (qr, _rows(cache), choice.reshape(-1), extra.reshape(-1))
-    out, cert, lse = lax.map(row, xs)  # [b hk, 1, 1, g, ...]
-    out = out.reshape(b, hk, g, -1)
-    rows = jax.tree.map(lambda x: x.reshape(b, hk, g), (cert, lse))
-    return out, *rows
-
-  return lax.cond(jnp.all(choice == choice[0, 0]), uniform, mixed)
+  # Indexed by _CODES, _EXACT, _ALL.
+  return lax.switch(jnp.max(choice), (codes, exact, keep_all))
 
 
 def _plus_scored(cert: Certificate, extra) -> Certificate:

@@ -11,7 +11,8 @@ found, and carries the fields that only that search reads:
   ``KVCache`` or a content index bounds each key from its 8-bit code
   (``Codes``) where a small sample of code estimates says the row is
   concentrated enough to pay, and keeps every key where it says the row is
-  flat (no search can pay there: tv_bound 0 at dense cost); the XLA
+  flat (no search can pay there: tv_bound 0 at dense cost; over a
+  ``KVCache`` the batch as one: the codes when every row pays); the XLA
   prefill runs Delta-Search at tile granularity and scores every key of a
   tile where that does not pay. An explicitly named strategy is always run
   as named.
