@@ -297,26 +297,11 @@ def _gather_values(values, idx):
 
 def _dense_values(p, values):
   """sum_n p_n v_n: ``[b, hk, g, n]`` x ``[b, hk, n, dv]`` -> ``[b, hk, g,
-  dv]``.
-
-  In chunks of ~256 keys, the chunk axis a batch axis of the dot: XLA:CPU
-  runs this einsum (contracting the major axis of the values) ~2-3x faster
-  so than in one piece, and ~9x faster than with the group axis before the
-  chunk axis (measured, BUILD_NOTES).
-  """
-  b, hk, g, n = p.shape
-  dv = values.shape[-1]
-  c = 1
-  while n % (c * 2) == 0 and n // (c * 2) >= 256:
-    c *= 2
-  vc = _cache.dense_rows(values).reshape(b, hk, c, n // c, dv).astype(p.dtype)
-  if g == 1:
-    pc = p.reshape(b, hk, c, n // c)
-    out = jnp.einsum("bkcm,bkcmd->bkcd", pc, vc, precision=_HIGHEST)
-    return jnp.sum(out, axis=2)[:, :, None]  # [b, hk, 1, dv]
-  pc = jnp.swapaxes(p.reshape(b, hk, g, c, n // c), 2, 3)  # [b, hk, c, g, m]
-  out = jnp.einsum("bkcgm,bkcmd->bkcgd", pc, vc, precision=_HIGHEST)
-  return jnp.sum(out, axis=2)  # [b, hk, g, dv]
+  dv]``, one einsum. (Splitting n into chunks as a batch axis of the dot,
+  once 2-3x faster on XLA:CPU, measured 1.1-1.5x slower with jax 0.10 at
+  n = 1K-131K, g = 1-8: docs/performance.md.)"""
+  vals = _cache.dense_rows(values).astype(p.dtype)
+  return jnp.einsum("bkgn,bknd->bkgd", p, vals, precision=_HIGHEST)
 
 
 def _kept_values_fn(keep, values, capacity):
