@@ -29,6 +29,11 @@ _CI_EXAMPLES = (
   if os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
   else 12
 )
+_AUTO_EXAMPLES = (
+  settings.default.max_examples
+  if os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci"
+  else 8
+)
 
 CODES = (
   jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(bound=jaxtopk.Codes())),
@@ -143,6 +148,21 @@ class AutoDecodeTest(parameterized.TestCase):
     np.testing.assert_array_equal(cert.keys_scored[0, 0], self.N + sample)
     np.testing.assert_array_equal(cert.k_kept[0, 0], self.N)
     np.testing.assert_array_equal(cert.tv_bound[0, 0], 0.0)
+    _check_row(self, out, cert, q, k, self.N, policy, jnp.float32)
+
+  @settings(max_examples=_AUTO_EXAMPLES)
+  @given(row=dpt.decode_rows())
+  def test_auto_sound_vs_float64(self, row):
+    # The adversarial rows, tiled to AUTO_MIN_KEYS keys and zero-padded to
+    # d = 8 (the program of the test above): the heads' samples choose
+    # the codes, every key kept or (mixed) the batch's most general
+    # branch; each must be sound.
+    q, k, _ = row
+    pad = ((0, 0), (0, 8 - k.shape[1]))
+    reps = self.N // k.shape[0]
+    q, k = (np.float32(np.pad(x, pad)) for x in (q, np.tile(k, (reps, 1))))
+    out, cert = self._decode(q, k)
+    policy = jaxtopk.Certified(0.05)
     _check_row(self, out, cert, q, k, self.N, policy, jnp.float32)
 
   def test_a_capped_row_is_never_kept_whole(self):
