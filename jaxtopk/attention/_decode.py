@@ -113,6 +113,15 @@ AUTO_MIN_KEYS = 1024
 AUTO_CODES_PLATFORMS = ("cpu",)
 AUTO_SAMPLE = 32
 AUTO_THRESHOLD = 0.6
+# Query heads per kv head up to which the key codes pay on a contiguous
+# cache. Their bounds, thresholds and candidate gathers are per query, the
+# dense product's key reads are shared by the group: on concentrated rows
+# (n = 4K-32K, head_dim 128, CPU) the codes cost 0.41x dense at 1 query per
+# kv head and 1.28-1.35x at 4, where the exact search costs 1.04x
+# (docs/performance.md). Past it, concentrated rows run the exact search.
+# Over a paged cache dense gathers every page: there the codes paid at 4
+# (0.58x dense over the pages).
+AUTO_CODES_MAX_GROUP = 2
 # The key-code path: candidates compacted into n / CODES_SMALL slots (or
 # n when more), their keys and values gathered CODES_CHUNK at a time.
 CODES_SMALL = 8
@@ -747,6 +756,14 @@ def auto_sample_need(q_in, codes, exponents, length, *, eps, scale):
 _CODES, _EXACT, _ALL = 0, 1, 2
 
 
+def _codes_pay(query, cache) -> bool:
+  """Static: whether Auto may take the key codes (``AUTO_CODES_MAX_GROUP``
+  query heads per kv head, any group over a paged cache's view)."""
+  g = query.shape[2] // cache.keys.shape[1]
+  paged = isinstance(cache.keys, _cache.PageRows)
+  return paged or g <= AUTO_CODES_MAX_GROUP
+
+
 def _sample_choice(policy, query, cache, scale):
   """Auto's strategy per (batch, kv head) row, from a strided sample of
   ``AUTO_SAMPLE`` keys (``auto_sample_need``):
@@ -759,7 +776,8 @@ def _sample_choice(policy, query, cache, scale):
     passes and a dense product: more than dense attention. A row the
     sample misses (its mass on a few keys it did not draw) costs dense;
   - the exact search (``_EXACT``) where a ``max_topk`` caps the kept set,
-    and on rows of fewer than ``AUTO_MIN_KEYS`` keys (no sample drawn).
+    on rows of fewer than ``AUTO_MIN_KEYS`` keys (no sample drawn), and
+    on concentrated rows where the codes do not pay (``_codes_pay``).
 
   The batch runs the most general choice of its rows (``_codes_rows``).
   Only the strategy depends on the sample; every certificate is computed
@@ -783,7 +801,9 @@ def _sample_choice(policy, query, cache, scale):
   )  # [b, hk, g]
   long_row = (length >= AUTO_MIN_KEYS)[:, None]  # [b, 1]
   codes = long_row & jnp.any(need <= AUTO_THRESHOLD * m, -1)
-  whole = long_row & (policy.max_topk is None)
+  whole = long_row & (policy.max_topk is None) & ~codes
+  if not _codes_pay(query, cache):  # concentrated rows: the exact search
+    codes = jnp.zeros_like(codes)
   choice = jnp.where(codes, _CODES, jnp.where(whole, _ALL, _EXACT))
   cost = key_codes.code_cost(m, q.shape[-1], cache.keys.dtype)
   extra = jnp.broadcast_to(jnp.where(long_row, cost, 0), choice.shape)
@@ -960,11 +980,13 @@ def _codes_rows(
   (batch, kv head) row's sample chooses (``_sample_choice``) and the batch
   runs the most general choice of its rows (``_CODES`` < ``_EXACT`` <
   ``_ALL``), batched: the codes when every row chose them, every key kept
-  when some row looks flat (no ``max_topk``), the exact search otherwise.
-  No loop over rows: a ``lax.map`` over (batch, kv head) rows, each its
+  when some row looks flat (no ``max_topk``), the exact search otherwise;
+  on a contiguous cache with more than ``AUTO_CODES_MAX_GROUP`` query heads
+  per kv head no row takes the codes (concentrated rows: the exact
+  search). No loop over rows: a ``lax.map`` over (batch, kv head) rows, each its
   own branch, copied every row's keys and values out of the cache and
   cost 4x dense attention at n = 32K, 8 heads (CPU; docs/performance.md),
-  where keeping every key of a mixed batch costs 1.4x. Rows that drew a
+  where keeping every key of a mixed batch costs 1.2x. Rows that drew a
   sample add its cost to ``keys_scored``.
   """
   b, _, h, _ = query.shape
@@ -989,6 +1011,8 @@ def _codes_rows(
     out, cert, lse = _finish(st, _full_row(st, st.real, st.s.shape[-1]))
     return out, _plus_scored(cert, x), lse
 
+  if not _codes_pay(query, cache):  # choices _EXACT or _ALL only
+    return lax.cond(jnp.max(choice) == _ALL, keep_all, exact)
   # Indexed by _CODES, _EXACT, _ALL.
   return lax.switch(jnp.max(choice), (codes, exact, keep_all))
 

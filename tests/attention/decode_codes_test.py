@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import jaxtopk
 from jaxtopk.attention import _decode
+from jaxtopk.attention import _paged
 from jaxtopk.selection import key_codes
 from tests.attention import decode_property_test as dpt
 
@@ -178,6 +179,28 @@ class AutoDecodeTest(parameterized.TestCase):
     ]:
       choice, _ = _decode._sample_choice(policy, q, cache, d**-0.5)
       self.assertEqual(int(choice[0, 0]), want, policy)
+
+  def test_large_groups_run_the_exact_search_on_a_contiguous_cache(self):
+    # Concentrated rows: the codes with one query per kv head; with more
+    # than AUTO_CODES_MAX_GROUP per kv head the exact search, except over
+    # a paged cache (dense would gather every page there).
+    rng = np.random.default_rng(4)
+    d, g = 8, _decode.AUTO_CODES_MAX_GROUP + 1
+    k = jnp.float32(rng.normal(size=(1, self.N, 1, d)))
+    q = jnp.broadcast_to(k[0, 7, 0] * 8.0, (1, 1, g, d))
+    policy = jaxtopk.Certified(0.05)
+    cache = jaxtopk.KVCache.create(1, self.N, 1, d).append(k, k)
+    ps = 64
+    paged = jaxtopk.PagedKVCache.create(
+      1, self.N // ps, ps, 1, d, max_pages_per_seq=self.N // ps
+    ).append(k, k)
+    for query, c, want in [
+      (q[:, :, :1], cache, _decode._CODES),
+      (q, cache, _decode._EXACT),
+      (q, _paged._view(paged), _decode._CODES),
+    ]:
+      choice, _ = _decode._sample_choice(policy, query, c, d**-0.5)
+      self.assertEqual(int(choice[0, 0]), want, (query.shape, type(c.keys)))
 
   def test_platforms_without_the_codes_run_the_exact_search(self):
     rng = np.random.default_rng(2)
