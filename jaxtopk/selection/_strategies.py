@@ -12,7 +12,8 @@ found, and carries the fields that only that search reads:
   (``Codes``) where a small sample of code estimates says the row is
   concentrated enough to pay, and keeps every key where it says the row is
   flat (no search can pay there: tv_bound 0 at dense cost; over a
-  ``KVCache`` the batch as one: the codes when every row pays); the XLA
+  ``KVCache`` the batch as one: the codes when every row pays, and on a
+  contiguous cache only up to 2 query heads per kv head); the XLA
   prefill runs Delta-Search at tile granularity and scores every key of a
   tile where that does not pay. An explicitly named strategy is always run
   as named.
