@@ -983,11 +983,11 @@ def _codes_rows(
   when some row looks flat (no ``max_topk``), the exact search otherwise;
   on a contiguous cache with more than ``AUTO_CODES_MAX_GROUP`` query heads
   per kv head no row takes the codes (concentrated rows: the exact
-  search). No loop over rows: a ``lax.map`` over (batch, kv head) rows, each its
-  own branch, copied every row's keys and values out of the cache and
-  cost 4x dense attention at n = 32K, 8 heads (CPU; docs/performance.md),
-  where keeping every key of a mixed batch costs 1.2x. Rows that drew a
-  sample add its cost to ``keys_scored``.
+  search). Rows that drew a sample add its cost to ``keys_scored``.
+
+  No loop over rows: one branch per row (``lax.map``) copied every row's
+  keys and values out of the cache, 4x dense on a mixed batch at n = 32K,
+  8 heads, where keeping every key costs 1.2x (CPU; docs/performance.md).
   """
   b, _, h, _ = query.shape
   hk = cache.keys.shape[1]
