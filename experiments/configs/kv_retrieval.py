@@ -143,8 +143,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.decoder.init_from = ""
     c.decoder.seq_len = 64
     c.decoder.num_keys = 32
+    # One head of 32 dims: its caches (2 sequences) take MiniLM's shape.
     c.decoder.model = ml_collections.ConfigDict(
-      dict(num_layers=1, num_heads=2, model_dim=16, mlp_dim=16)
+      dict(num_layers=1, num_heads=1, model_dim=32, mlp_dim=16)
     )
     c.decoder.train = ml_collections.ConfigDict(
       dict(
