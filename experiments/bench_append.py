@@ -110,11 +110,13 @@ def bench(kind, max_len, config):
   d = config.head_dim
   # Drawn in numpy: a jax.random draw compiles a program per shape.
   rng = np.random.default_rng(0)
+
+  def normal(*shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
   fill = max_len // 2
-  prefix = (jnp.asarray(rng.standard_normal((1, fill, heads, d)), "float32"),)
-  prefix *= 2
-  new = rng.standard_normal((2, 1, 64, heads, d))  # steps to append
-  new = jnp.asarray(new, jnp.float32)
+  prefix = (normal(1, fill, heads, d),) * 2
+  new = normal(2, 1, 64, heads, d)  # steps to append
   new_k, new_v = new[0], new[1]
   if kind == "kv":
     cache = jaxtopk.KVCache.create(1, max_len, heads, d, block_size=64)
