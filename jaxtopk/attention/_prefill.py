@@ -24,15 +24,17 @@ Two engines, one per kind of policy:
 - Scan-all (``Dense``, ``FixedK``, ``Ratio``, ``PowerLaw``,
   ``Certified(search=Exact())``, and the default ``Auto`` up to
   ``AUTO_SCAN_BLOCKS`` key blocks or with ``dense_above``): a tile scores
-  every key it can see (one
-  einsum), chooses its kept set by the policy's rule over those logits
-  (exactly the kept set of ``jaxtopk.select`` on the same logits: ties of
-  fixed counts broken by key index, Certified minimal up to ties at the
-  threshold), then forms the softmax over the kept keys and its product with
-  the values. Causal tiles never touch keys above their diagonal: tiles are
-  grouped into at most ``BlockSizes.max_bands`` bands of consecutive tiles,
-  and a band's tiles score only the keys its last row can see (a band of
-  ``w`` tiles wastes at most ``w - 1`` tiles' worth of keys).
+  every key it can see (one einsum), chooses its kept set by the policy's
+  rule over those logits (that of ``jaxtopk.select`` on the same logits:
+  ties of fixed counts broken by key index; Certified's from one coarse
+  histogram pass, minimal up to the keys within one bin of its threshold,
+  ``threshold.COARSE_BINS``: every scored key's value is multiplied anyway,
+  so the passes that would trim them cost time and save none), then forms
+  the softmax over the kept keys and its product with the values. Causal
+  tiles never touch keys above their diagonal: tiles are grouped into at
+  most ``BlockSizes.max_bands`` bands of consecutive tiles, and a band's
+  tiles score only the keys its last row can see (a band of ``w`` tiles
+  wastes at most ``w - 1`` tiles' worth of keys).
 - Block search (``Certified(search=DeltaSearch(...))``, and the default
   ``Certified(eps)``, ``Auto``, on longer rows: where the box bounds cannot
   rule a block out, the rounds score it anyway, so a flat tile ends up
@@ -48,7 +50,8 @@ Two engines, one per kind of policy:
   U fits its budget: U <= eps (Z_S + U) (with the rounding margin
   ``core.search_log_margin``), Z_S the row's scored mass. Blocks never
   scored are neither multiplied by q nor by v. Then, per row, the kept set is
-  the MINIMAL set among the scored keys (up to ties at the threshold) whose
+  the MINIMAL set among the scored keys (up to one coarse bin, as above,
+  and ties at the threshold) whose
   dropped scored mass plus U fits the budget (``budget_mask`` with U as fixed
   extra tail), capped at ``Certified.max_topk``. Excess over the exact
   minimal set of the whole row (H*): keys of unscored blocks are never kept,
@@ -464,7 +467,9 @@ def _scan_all_tile(c, length, i):
   )  # [b, hk, g, bq]
   sgs = jax.lax.stop_gradient(s)
   pos = real & (sgs > -jnp.inf)
-  keep = internal.keep_mask(sgs, c.policy, pos, logit_error=delta, n_keys=p.s)
+  keep = internal.keep_mask(
+    sgs, c.policy, pos, logit_error=delta, n_keys=p.s, coarse=True
+  )
   vn = arr["vn"][:, :, None, None, :length] if c.values_bound else None
   part = core.PartialSoftmax.from_logits(
     s,
@@ -587,6 +592,7 @@ def _search_tile(c, i):
       logit_error=delta,
       n_keys=n_terms,
       log_extra=log_un,
+      coarse=True,
     )
     vg = jnp.take_along_axis(vb, idx[..., None, None], axis=2)
     vn = norms = None

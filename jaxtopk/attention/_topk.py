@@ -362,7 +362,10 @@ def topk_attention(
     largest, ties broken by increasing key index).
   - ``Certified(eps)`` (search ``Exact``): every key is scored; the fewest
     keys whose dropped mass is certified <= eps (all keys tied at the
-    threshold are kept), capped at ``max_topk``.
+    threshold are kept), capped at ``max_topk``, up to the keys within one
+    bin of a one-pass histogram (``threshold.COARSE_BINS``; ~0.05 logit at
+    1,024 keys and eps 0.05): every scored key's value is multiplied
+    anyway, so a finer threshold would cost time and save none.
   - ``Certified(eps, 'delta')``: Delta-Search at query-tile granularity
     (THEORY 6.2): key blocks of ``block_size`` are scored in order of their
     box bound (THEORY 3.3) until the unscored mass fits the budget; blocks

@@ -44,7 +44,14 @@ class Selection:
 
 
 def keep_mask(
-  s, policy, real, *, logit_error=0.0, n_keys=None, log_extra=None
+  s,
+  policy,
+  real,
+  *,
+  logit_error=0.0,
+  n_keys=None,
+  log_extra=None,
+  coarse: bool = False,
 ) -> jax.Array:
   """The policy's kept set among the scored keys of each row.
 
@@ -60,6 +67,10 @@ def keep_mask(
     log_extra: optional ``[...]`` log U, a bound on the mass of the row's
       unscored keys: Certified's budget is then eps (Z_S + U) and U counts
       as dropped (THEORY 6.2).
+    coarse: Certified's threshold in one histogram pass
+      (``threshold.budget_mask``): for a caller that multiplies every
+      scored key's value whatever is kept, the kept set minimal up to one
+      coarse bin instead of one fine bin.
 
   Returns:
     ``[..., n]`` bool, a subset of ``real``.
@@ -84,6 +95,7 @@ def keep_mask(
     log_extra,
     relative=True,
     dense_above=policy.dense_above,
+    coarse=coarse,
   )
   if policy.max_topk is not None and policy.max_topk < n:
     capped = threshold.topk_mask(s, policy.max_topk, real)

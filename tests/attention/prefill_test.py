@@ -208,7 +208,9 @@ class BlockwiseBehaviourTest(parameterized.TestCase):
       return f.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
 
     small, large = temp(2048), temp(4096)
-    self.assertLess(large, 2.5 * small)  # (4x if it were [T, T])
+    # 4x if it were [T, T]; linear growth measures 2.0-2.54x between 1K
+    # and 8K (the causal bands group the tiles differently per size).
+    self.assertLess(large, 3 * small)
     self.assertLess(large, 4096 * 4096 * 4)  # below one [T, T] float32
 
 

@@ -137,10 +137,13 @@ class BudgetThresholdTest(parameterized.TestCase):
     _masks,
     st.sampled_from([1e-6, 0.01, 0.05, 0.3, 0.9]),
     st.booleans(),
+    st.booleans(),
   )
   def test_budget_met_and_minimal_up_to_one_fine_bin(
-    self, s, valid, frac, relative
+    self, s, valid, frac, relative, coarse
   ):
+    # coarse: one pass of COARSE_BINS (budget_mask(coarse=True)), minimal
+    # up to one of its bins.
     s64 = s.astype(np.float64)
     lse = np.array(
       [
@@ -149,8 +152,12 @@ class BudgetThresholdTest(parameterized.TestCase):
       ]
     )
     log_budget = (np.log(frac) + (0.0 if relative else lse)).astype(np.float32)
-    fn = jax.jit(threshold.budget_threshold, static_argnames="relative")
-    t = np.asarray(fn(s, log_budget, valid, relative=relative))
+    fn = jax.jit(
+      threshold.budget_threshold,
+      static_argnames=("relative", "num_bins", "levels"),
+    )
+    bins = dict(num_bins=threshold.COARSE_BINS, levels=1) if coarse else {}
+    t = np.asarray(fn(s, log_budget, valid, relative=relative, **bins))
     for r in range(3):
       v = s64[r][valid[r]]
       keep = v >= t[r]
@@ -170,7 +177,9 @@ class BudgetThresholdTest(parameterized.TestCase):
       self.assertGreaterEqual(keep.sum(), k_min)
       if keep.sum() > k_min:  # every extra key is within one finest bin
         span = np.log(N) - np.log(frac) + 2
-        fine = span / 63 / 64**2
+        fine = (
+          span / (threshold.COARSE_BINS - 1) if coarse else span / 63 / 64**2
+        )
         cut = np.sort(v)[::-1][max(k_min - 1, 0)]
         extra = np.sort(v[keep])[: keep.sum() - k_min]
         self.assertLessEqual(
