@@ -123,8 +123,11 @@ def norms_and_finite(x, axis=-1, compress=False):
   m = jnp.max(jnp.abs(xc), axis=-1, initial=0.0)  # [...]
   pos = finite & (m > 0)
   _, e = jnp.frexp(jnp.where(pos, m, 1.0))  # m = f 2^e, f in [0.5, 1)
-  # e in [minexp + 1, -minexp]: 2^-e and 2^e are normal; max r < 4.
-  e = jnp.where(pos, jnp.minimum(e, -fi.minexp), 0)
+  # e clipped to [minexp + 1, -minexp]: 2^-e and 2^e are normal; max r < 4.
+  # The lower clip matters where subnormals are not flushed (GPU): there a
+  # subnormal m gives e < minexp + 1, and 2^-e would overflow its exponent
+  # bits (NaN norms on an H200).
+  e = jnp.where(pos, jnp.clip(e, fi.minexp + 1, -fi.minexp), 0)
   # x, not |x|: XLA:CPU fused |x| into both reductions ~5x slower.
   r = xc * pow2(-e, dt)[..., None]  # exact (flushed entries: < 2^-120 m)
   ss = jnp.sum(r * r, axis=-1)  # [...] <= 16 n
