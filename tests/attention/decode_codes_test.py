@@ -139,9 +139,13 @@ class AutoDecodeTest(parameterized.TestCase):
     q = np.float32(np.stack([k[7] * 8.0, k[300] * 8.0]))
     out, cert = self._decode(q, k)
     scored = np.asarray(cert.keys_scored[0, 0])
+    _check_row(self, out, cert, q, k, self.N, policy, jnp.float32)
+    if jax.default_backend() not in _decode.AUTO_CODES_PLATFORMS:
+      # Where the codes were measured not to pay, Auto scores every key.
+      np.testing.assert_array_equal(scored, self.N)
+      return
     self.assertTrue(np.all(scored < self.N // 2), scored)
     self.assertTrue(np.all(scored > sample), scored)
-    _check_row(self, out, cert, q, k, self.N, policy, jnp.float32)
     # Head 0 flat, head 1 peaked: the batch keeps every key of both rows
     # (tv 0), each row's sample counted (one program: the same shapes).
     q = np.float32(np.stack([flat, k[7] * 8.0]))

@@ -12,6 +12,7 @@ from jaxtopk.attention import _cache
 from jaxtopk.attention import _decode
 from jaxtopk.attention.registry import UnsupportedCacheError
 from tests import rand
+from tests.tolerances import assert_same_up_to_rounding
 
 B, H, D, E, PS, M = 3, 2, 8, 5, 4, 5
 FIELDS = (
@@ -54,7 +55,7 @@ def _assert_same_cache(test, got, want):
     if a.dtype == jnp.bfloat16:  # numpy's NaN == NaN needs a numpy float
       a, b = a.astype(np.float32), b.astype(np.float32)
     test.assertEqual(a.shape, b.shape, f)
-    np.testing.assert_array_equal(a, b, err_msg=f)
+    assert_same_up_to_rounding(a, b, err_msg=f)
 
 
 # Ragged chunks: (steps, num_steps per sequence).
@@ -94,9 +95,9 @@ class PagedKVCacheTest(parameterized.TestCase):
       q = jnp.asarray(rng.standard_normal((B, q_len, 2 * H, D)), jnp.float32)
       o1, c1 = jaxtopk.decode_attention(q, paged, policy=policy)
       o2, c2 = jaxtopk.decode_attention(q, flat, policy=policy)
-      np.testing.assert_array_equal(o1, o2)
+      assert_same_up_to_rounding(o1, o2)
       for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2), strict=True):
-        np.testing.assert_array_equal(a, b)
+        assert_same_up_to_rounding(a, b)
 
   def test_page_rows_read_what_the_gather_holds(self):
     # The lazy reads of the decode's view: whole, at chosen positions, and
@@ -141,9 +142,9 @@ class PagedKVCacheTest(parameterized.TestCase):
     )
     o1, c1 = jaxtopk.decode_attention(q, paged, policy=policy)
     o2, c2 = jaxtopk.decode_attention(q, flat, policy=policy)
-    np.testing.assert_array_equal(o1, o2)
+    assert_same_up_to_rounding(o1, o2)
     for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2), strict=True):
-      np.testing.assert_array_equal(a, b)
+      assert_same_up_to_rounding(a, b)
     self.assertTrue(np.all(np.asarray(c1.keys_scored) < n // 2))
 
   def test_released_pages_carry_nothing_to_their_next_owner(self):
@@ -169,11 +170,11 @@ class PagedKVCacheTest(parameterized.TestCase):
     for f in FIELDS:
       if f == "length":
         continue
-      np.testing.assert_array_equal(
+      assert_same_up_to_rounding(
         np.asarray(getattr(got, f))[2], np.asarray(getattr(fresh, f))[2], f
       )
       # Sequence 1 is untouched by the release and the reuse.
-      np.testing.assert_array_equal(
+      assert_same_up_to_rounding(
         np.asarray(getattr(got, f))[1], np.asarray(getattr(kept, f))[1], f
       )
     q = jnp.ones((B, 1, H, D), jnp.float32)
