@@ -6,6 +6,7 @@ does not run the backend compilers (libtpu / ptxas), so a kernel that lowers
 here can still fail to compile on a device.
 """
 
+import contextlib
 import functools
 
 import jax
@@ -22,10 +23,24 @@ _PLATFORMS = [("tpu", "tpu"), ("cuda", "gpu")]
 B, H, HKV, NQ, NK, D = 1, 4, 2, 256, 512, 128
 
 
+def _target(platform):
+  """Where the export runs on no GPU, the GPU it lowers for: jax >= 0.11's
+  Triton lowering reads the device kind (here an H100) from the abstract
+  mesh in context."""
+  if platform != "cuda" or jax.default_backend() == "gpu":
+    return contextlib.nullcontext()
+  dev = jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H100", num_cores=None, platform="gpu"
+  )
+  mesh = jax.sharding.AbstractMesh((), (), abstract_device=dev)
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
 def _export(fn, platform, *avals):
-  exp = jax.export.export(
-    jax.jit(fn), platforms=[platform], disabled_checks=_DISABLED
-  )(*avals)
+  with _target(platform):
+    exp = jax.export.export(
+      jax.jit(fn), platforms=[platform], disabled_checks=_DISABLED
+    )(*avals)
   return exp.mlir_module()
 
 
