@@ -213,8 +213,20 @@ def smoke() -> dict:
   )
 
 
-def measure(c) -> dict:
-  """The record of config ``c``: timings, or the smoke check on CPU."""
+def _min_times(row):
+  return {
+    k: v["min_s"]
+    for k, v in row.items()
+    if isinstance(v, dict) and "min_s" in v
+  }
+
+
+def measure(c, on_row=None) -> dict:
+  """The record of config ``c``: timings, or the smoke check on CPU.
+
+  ``on_row(phase, n, row)`` is called as each row is measured, so that a run
+  cut short by a time limit keeps the rows it finished.
+  """
   backend = jax.default_backend()
   rec = dict(
     device=str(jax.devices()[0].device_kind),
@@ -233,10 +245,16 @@ def measure(c) -> dict:
     rec["smoke"] = smoke()
     return rec
   rec["decode"], rec["prefill"] = {}, {}
+  progress = _common.Progress(NAME, len(c.lengths))
   for n in c.lengths:
     rec["decode"][n] = bench_decode(c, n)
+    if on_row:
+      on_row("decode", n, rec["decode"][n])
     if n <= c.prefill_max:
       rec["prefill"][n] = bench_prefill(c, n)
+      if on_row:
+        on_row("prefill", n, rec["prefill"][n])
+    progress.update(note=f"n={n}")
   return rec
 
 
@@ -249,7 +267,12 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
       " correctness check."
     )
   wd = _common.Workdir(workdir, config, overwrite=overwrite)
-  rec = measure(config)
+  rec = measure(
+    config,
+    on_row=lambda phase, n, row: wd.metrics.write(
+      phase, n=n, **_min_times(row)
+    ),
+  )
   if rec.get("smoke"):
     cert = rec["smoke"]["decode_certificate"]
     _common.bar_figure(
@@ -273,29 +296,11 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
         "decode_max_abs_diff_vs_reference"
       ],
     )
-  for phase in ("decode", "prefill"):
-    for n, row in rec.get(phase, {}).items():
-      wd.metrics.write(
-        phase,
-        n=n,
-        **{
-          k: v["min_s"]
-          for k, v in row.items()
-          if isinstance(v, dict) and "min_s" in v
-        },
-      )
   if rec.get("decode"):
     _common.bar_figure(
       wd.path,
       "timings",
-      {
-        f"n={n}": {
-          k: v["min_s"]
-          for k, v in row.items()
-          if isinstance(v, dict) and "min_s" in v
-        }
-        for n, row in rec["decode"].items()
-      },
+      {f"n={n}": _min_times(row) for n, row in rec["decode"].items()},
       ylabel="decode seconds (min)",
       title=f"{rec['device']}: one decode step",
       log=True,
