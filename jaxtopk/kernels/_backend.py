@@ -224,8 +224,9 @@ def pallas_decode_attention(query, cache, rng, *, policy, scale):
 
 
 def _decode_splits(cache) -> int:
-  # Each split stops on its own share of the budget and scores at least its
-  # first block, so splits only pay on long caches: at least 16 blocks each.
+  # Each split stops on its own share of the budget (its scored mass plus a
+  # share of the heaviest block's, ``_decode.split_levels``), so splits only
+  # pay on long caches: at least 16 blocks each.
   return max(1, min(8, cache.num_blocks // 16))
 
 

@@ -28,6 +28,7 @@ def _kernel(
   live_ref,
   rest_ref,
   logc_ref,
+  logf_ref,
   q_ref,
   k_ref,
   v_ref,
@@ -44,7 +45,7 @@ def _kernel(
   q = q_ref[...]
   dv = v_ref.shape[-1]
   n_live = live_ref[0]
-  log_c = logc_ref[0]
+  log_c, log_f = logc_ref[0], logf_ref[0]
 
   def body(j, c):
     def score(c):
@@ -58,7 +59,9 @@ def _kernel(
         tuple(carry),
         scale,
       )
-      stop = _decode_step.stop(rest_ref[j], jnp.max(m), jnp.max(ell), log_c)
+      stop = _decode_step.stop(
+        rest_ref[j], jnp.max(m), jnp.max(ell), log_c, log_f
+      )
       return stop.astype(jnp.int32), n + 1, m, ell, o, err
 
     return lax.cond(c[0] == 0, score, lambda c: c, c)
@@ -82,6 +85,7 @@ def run(
   live,
   rest,
   log_c,
+  log_f,
   *,
   heads,
   kv_heads,
@@ -116,7 +120,8 @@ def run(
       pl.BlockSpec((None, None, bps), lambda i, s: (i, s, 0)),
       pl.BlockSpec((None, 1), lambda i, s: (i, s)),
       pl.BlockSpec((None, None, bps), lambda i, s: (i, s, 0)),
-      pl.BlockSpec((None, 1), lambda i, s: (i, 0)),
+      pl.BlockSpec((None, 1), lambda i, s: (i, s)),
+      pl.BlockSpec((None, 1), lambda i, s: (i, s)),
       pl.BlockSpec((None, 1, d), lambda i, s: (i, 0, 0)),
       pl.BlockSpec((None, n_p, d), lambda i, s: (kv_row(i), 0, 0)),
       pl.BlockSpec((None, n_p, dv), lambda i, s: (kv_row(i), 0, 0)),
@@ -128,4 +133,4 @@ def run(
     compiler_params=_common.compiler_params("gpu", ()),
     interpret=interpret,
     name="jaxtopk_certified_decode",
-  )(order, live, rest, log_c.reshape(bh, 1), q, kp, vp, kvm)
+  )(order, live, rest, log_c, log_f, q, kp, vp, kvm)

@@ -47,13 +47,15 @@ def score_block(q, k, v, kvm, carry, scale):
   )
 
 
-def stop(rest_j, m, denom, log_c):
-  """Delta-Search rule of one split: remaining bound <= c * Z_s (logs).
+def stop(rest_j, m, denom, log_c, log_f):
+  """Delta-Search rule of one split: remaining bound <= c (Z_s + F_s) (logs).
 
   ``rest_j`` bounds the mass of the split's blocks after this one (their
-  EXACT logits), m + log(denom) is log Z_s of the scored keys, and
+  EXACT logits), m + log(denom) is log Z_s of the scored keys, log F_s the
+  split's share of the floor (``_decode.split_levels``; -inf for none), and
   c = e^t / (1 - e^t) with t = log eps minus the certificate's margin: if
-  every split stops this way, tau <= U / (Z + U) <= e^t.
+  every split stops this way, the shares sum to at most Z and tau <= U /
+  (Z + U) <= e^t.
   """
   log_z = m + jnp.log(jnp.maximum(denom, jnp.finfo(jnp.float32).tiny))
-  return rest_j <= log_c + log_z
+  return rest_j <= log_c + jnp.logaddexp(log_z, log_f)

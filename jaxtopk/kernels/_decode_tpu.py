@@ -25,6 +25,7 @@ def _kernel(
   live_ref,
   rest_ref,
   logc_ref,
+  logf_ref,
   q_ref,
   k_ref,
   v_ref,
@@ -73,7 +74,7 @@ def _kernel(
     e_sc[...] = err
     st_sc[0] = j + 1
     stop = _decode_step.stop(
-      rest_ref[row * bps + j], m[0, 0], ell[0, 0], logc_ref[i]
+      rest_ref[row * bps + j], m[0, 0], ell[0, 0], logc_ref[row], logf_ref[row]
     )
     st_sc[1] = stop.astype(jnp.int32)
 
@@ -95,6 +96,7 @@ def run(
   live,
   rest,
   log_c,
+  log_f,
   *,
   heads,
   kv_heads,
@@ -124,7 +126,7 @@ def run(
     return (i, s, 0, 0)
 
   grid_spec = pltpu.PrefetchScalarGridSpec(
-    num_scalar_prefetch=4,
+    num_scalar_prefetch=5,
     grid=(bh, ns, bps),
     in_specs=[
       pl.BlockSpec((None, 1, d), lambda i, s, j, *_: (i, 0, 0)),
@@ -165,6 +167,7 @@ def run(
     live.reshape(-1),
     rest.reshape(-1),
     log_c.reshape(-1),
+    log_f.reshape(-1),
     q,
     kp,
     vp,

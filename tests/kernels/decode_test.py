@@ -79,6 +79,32 @@ class DecodeTest(base.KernelTestCase):
     # Delta-Search stopped early: fewer keys scored than the cache holds.
     self.assertLess(float(np.mean(cert.keys_scored)), 0.6 * np.mean(n_vis))
 
+  @parameterized.parameters("tpu", "gpu")
+  def test_splits_without_a_heavy_block_stop_on_the_floor(self, backend):
+    # One heavy block among 24 (3 splits of 8): the other splits compare
+    # their bounds with a share of its mass and score nothing; each
+    # comparing with its own scored mass alone scored at least a block.
+    rng = np.random.default_rng(0)
+    n, d = 24 * BK, 8
+    k = 0.05 * rng.standard_normal((1, 1, n, d))
+    qdir = rng.standard_normal(d)
+    qdir /= np.linalg.norm(qdir)
+    k[0, 0, 5 * BK : 6 * BK] = 4.0 * qdir + 0.05 * rng.standard_normal((BK, d))
+    v = rng.standard_normal((1, 1, n, 3))
+    q = (10.0 * qdir)[None, None]  # heavy logits ~14, light ones ~0
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    eps = 0.01
+    out, cert = self._decode(q, k, v, None, eps, backend)
+    _, _, scored = kernels.certified_decode_reference(
+      q, k, v, eps=eps, block_sizes=SIZES
+    )
+    np.testing.assert_array_equal(cert.k_kept, [[BK]])
+    np.testing.assert_array_equal(np.flatnonzero(scored[0, 0]), [5])
+    tau, err, _, _ = _oracle(q, k, v, scored, None)
+    self.assertGreaterEqual(float(cert.tv_bound[0, 0]), float(tau[0, 0]))
+    self.assertLessEqual(float(cert.tv_bound[0, 0]), eps)
+    self.assertLessEqual(float(err[0, 0]), float(cert.output_error_bound[0, 0]))
+
   def test_eps_zero_scores_everything(self):
     q, k, v, mask = self.inputs(1, 2, 2, 1, 90, 8, 7, jnp.float32)
     q = q[:, :, 0]
