@@ -9,9 +9,9 @@ multi-key, multi-query, long values, variable tracking, aggregation;
 ``jaxtopk.tasks``), the prompt is prefilled DENSELY into the library's KV
 caches once, then the last ``D`` tokens (the query and its answers,
 teacher-forced) are decoded with every policy: dense, ``jaxtopk.Ratio(r)``
-and ``jaxtopk.Certified(eps)`` (exact and Delta-Search), each through
-``jaxtopk.decode_attention`` (THEORY 8.1's protocol: dense prefill, sparse
-decode). Per (context, task, policy) it records:
+and ``jaxtopk.Certified(eps)`` (Auto, the default; exact; Delta-Search),
+each through ``jaxtopk.decode_attention`` (THEORY 8.1's protocol: dense
+prefill, sparse decode). Per (context, task, policy) it records:
 
 - exact match (every answer token right; equal to greedy generation's exact
   match when the answers are contiguous) and token accuracy;
@@ -52,14 +52,19 @@ def policies(config) -> list[tuple[str, object]]:
   """``[(label, attention)]``: dense, Ratio and Certified policies."""
   out: list[tuple[str, object]] = [("dense", None)]
   out += [(f"ratio_{r:g}", jaxtopk.Ratio(r)) for r in config.ratios]
+  strategy = {
+    "auto": jaxtopk.Auto,  # the default: key codes on long CPU caches
+    "exact": lambda block_size: "exact",  # every key scored, minimal set
+    "delta": jaxtopk.DeltaSearch,
+    "mc": jaxtopk.MCSearch,
+  }
   for search in config.certified_searches:
-    for eps in config.eps:
-      strategy = {"delta": jaxtopk.DeltaSearch, "mc": jaxtopk.MCSearch}
-      policy = (
-        jaxtopk.Certified(eps, strategy[search](config.block_size))
-        if search != "exact"
-        else jaxtopk.Certified(eps)
+    if search not in strategy:
+      raise ValueError(
+        f"config.certified_searches holds {search!r}; use {sorted(strategy)}"
       )
+    for eps in config.eps:
+      policy = jaxtopk.Certified(eps, strategy[search](config.block_size))
       out.append((f"certified_{search}_{eps:g}", policy))
   return out
 

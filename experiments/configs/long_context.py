@@ -43,7 +43,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.block_size = 64  # cache summary block (and Delta-Search block)
   c.ratios = (1 / 64, 1 / 16)  # jaxtopk.Ratio: kept fraction
   c.eps = (0.1, 0.01)  # jaxtopk.Certified: TV budget
-  c.certified_searches = ("exact", "delta")  # Certified search strategies
+  # Certified searches: "auto" (Certified's default), "exact", "delta", "mc".
+  c.certified_searches = ("auto", "exact", "delta")
 
   # Fixed arguments of the tasks (experiments/_long_context_data.TaskSpec).
   c.task_spec = ml_collections.ConfigDict()
@@ -63,6 +64,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.batch_size = 2
     c.ratios = (1 / 16,)
     c.eps = (0.1,)
+    c.certified_searches = ("exact", "delta")
   elif arg:
     raise ValueError(f"unknown config variant {arg=}; use '' or 'smoke'")
   return c
