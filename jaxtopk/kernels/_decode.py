@@ -220,6 +220,8 @@ def split_levels(pl_: DecodePlan, log_c, log_top):
   log_c_s = jnp.where(first, log_c - math.log(ns), log_c)
   log_c_s = jnp.maximum(log_c_s, _common.MASK_VALUE).astype(jnp.float32)
   log_f = jnp.where(first, -jnp.inf, (log_top - math.log(ns))[..., None])
+  # eps = 0 (log c at MASK_VALUE): no floor, every block is scored.
+  log_f = jnp.where(log_c > _common.MASK_VALUE, log_f, -jnp.inf)
   log_f = log_f.astype(jnp.float32)
   # A split's whole mass bound: its first position's (upper + log count)
   # with the rest after it.
