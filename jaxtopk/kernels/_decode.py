@@ -88,6 +88,8 @@ class DecodePlan:
       blocks after each position (``MASK_VALUE`` when none is left).
     n_live: ``[b, h, S]`` int32 positions the split may score (blocks with
       real keys, capped by ``max_blocks``).
+    total: ``[b, h, S]`` float32 log bound on the mass of all the split's
+      live blocks (-inf when none; +inf for a NaN bound).
     upper: ``[b, h, n_blocks]`` float32 bounds u_b on the exact logits.
     count: ``[b, h, n_blocks]`` int32 real keys per block.
   """
@@ -95,6 +97,7 @@ class DecodePlan:
   order: jax.Array
   rest: jax.Array
   n_live: jax.Array
+  total: jax.Array
   upper: jax.Array
   count: jax.Array
 
@@ -156,9 +159,17 @@ def plan(
   )
   rest = jnp.where(rest > -jnp.inf, rest, _common.MASK_VALUE)
   rest = jnp.where(jnp.isnan(rest), jnp.inf, rest)  # never stop on NaN
+  total = jnp.where(jnp.isnan(suffix[..., 0]), jnp.inf, suffix[..., 0])
   last = jnp.take_along_axis(order, jnp.maximum(n_live - 1, 0)[..., None], -1)
   order = jnp.where(jnp.arange(bps) < n_live[..., None], order, last)
-  return DecodePlan(order, rest.astype(jnp.float32), n_live, upper, count)
+  return DecodePlan(
+    order,
+    rest.astype(jnp.float32),
+    n_live,
+    total.astype(jnp.float32),
+    upper,
+    count,
+  )
 
 
 def stop_level(eps, delta, n_terms):
@@ -174,19 +185,22 @@ def top_block_log_mass(query, key, mask, pl_, delta, *, scale, block_k):
   """``[b, h]`` log of a lower bound on the mass of each row's first block.
 
   The block at split 0's first position (the highest bound), scored here in
-  XLA: its logits lowered by 2 delta (the kernel's computed logits are
-  within delta of the exact ones, as these are) and the log-sum-exp by
-  (block_k + 8) eps, so L <= the mass the kernel computes for it. -inf for
-  a row whose block holds no real key or a non-finite logit.
+  XLA (a gather of its keys only): its logits lowered by 2 delta (the
+  kernel's computed logits are within delta of the exact ones, as these
+  are), the log-sum-exp by the core's rounding of two block-sized sums
+  (``core.log_slack``) and of their magnitudes (``core.round_down``), so L
+  <= the mass the kernel computes for it. -inf for a row whose block holds
+  no real key or a non-finite logit.
   """
-  b, h, d = query.shape
-  hkv = key.shape[1]
+  b, h, _ = query.shape
+  hkv, n = key.shape[1], key.shape[2]
   top = pl_.order[:, :, 0, 0]  # [b, h]
-  kp = _common.pad_to(key, 2, block_k)
-  nb = kp.shape[2] // block_k
-  kp = kp.reshape(b, hkv, nb, block_k, d)
-  kv_head = jnp.arange(h) // (h // hkv)
-  blk = kp[jnp.arange(b)[:, None], kv_head[None, :], top]  # [b, h, bk, d]
+  pos = top[..., None] * block_k + jnp.arange(block_k)  # [b, h, bk]
+  inside = pos < n
+  pos = jnp.minimum(pos, n - 1)
+  bi = jnp.arange(b)[:, None, None]
+  kv_head = (jnp.arange(h) // (h // hkv))[None, :, None]
+  blk = key[bi, kv_head, pos]  # [b, h, bk, d]
   s = (
     jnp.einsum(
       "bhd,bhkd->bhk",
@@ -196,12 +210,11 @@ def top_block_log_mass(query, key, mask, pl_, delta, *, scale, block_k):
     )
     * scale
   )
-  n = key.shape[2]
-  real = jnp.ones((b, n), bool) if mask is None else jnp.asarray(mask, bool)
-  real = _common.pad_to(real, 1, block_k, False).reshape(b, nb, block_k)
-  real = real[jnp.arange(b)[:, None], top]  # [b, h, bk]
+  real = inside
+  if mask is not None:
+    real = real & jnp.asarray(mask, bool)[bi, pos]
   lse = logsumexp(s - 2 * delta[..., None], axis=-1, where=real)
-  lse = lse - (block_k + 8) * jnp.finfo(jnp.float32).eps * (1 + jnp.abs(lse))
+  lse = core.round_down(lse - 2 * core.log_slack(block_k, jnp.float32))
   return jnp.where(jnp.isfinite(lse), lse, -jnp.inf)
 
 
@@ -223,12 +236,7 @@ def split_levels(pl_: DecodePlan, log_c, log_top):
   # eps = 0 (log c at MASK_VALUE): no floor, every block is scored.
   log_f = jnp.where(log_c > _common.MASK_VALUE, log_f, -jnp.inf)
   log_f = log_f.astype(jnp.float32)
-  # A split's whole mass bound: its first position's (upper + log count)
-  # with the rest after it.
-  w = pl_.upper + jnp.log(jnp.maximum(pl_.count, 1).astype(jnp.float32))
-  first_w = jnp.take_along_axis(w[:, :, None, :], pl_.order[..., :1], -1)
-  whole = jnp.logaddexp(first_w[..., 0], pl_.rest[..., 0])
-  idle = (whole <= log_c_s + log_f) & ~first
+  idle = (pl_.total <= log_c_s + log_f) & ~first
   n_live = jnp.where(idle, 0, pl_.n_live)
   return dataclasses.replace(pl_, n_live=n_live), log_c_s, log_f
 
