@@ -54,7 +54,7 @@ def policies(config) -> list[tuple[str, object]]:
   out += [(f"ratio_{r:g}", jaxtopk.Ratio(r)) for r in config.ratios]
   strategy = {
     "auto": jaxtopk.Auto,  # the default: key codes on long CPU caches
-    "exact": lambda block_size: "exact",  # every key scored, minimal set
+    "exact": jaxtopk.Exact,  # every key scored, the minimal set
     "delta": jaxtopk.DeltaSearch,
     "mc": jaxtopk.MCSearch,
   }
