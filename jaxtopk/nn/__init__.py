@@ -11,6 +11,7 @@ from jaxtopk.nn._attention import CertifiedTopKAttention
 from jaxtopk.nn._attention_fn import certified_attention
 from jaxtopk.nn._attention_fn import topk_attention_fn
 from jaxtopk.nn._certificates import collect_certificates
+from jaxtopk.nn._certificates import init_certificates
 from jaxtopk.nn._certificates import per_head_report
 from jaxtopk.nn._linen import topk_attention_linen
 
@@ -19,6 +20,7 @@ __all__ = [
   "certified_attention",
   "CertifiedTopKAttention",
   "collect_certificates",
+  "init_certificates",
   "per_head_report",
   "topk_attention_fn",
   "topk_attention_linen",

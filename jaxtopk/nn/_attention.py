@@ -99,6 +99,9 @@ class CertifiedTopKAttention(nnx.MultiHeadAttention):
      nnx.Intermediate)`` first); a layer not yet called has exactly
      nnx.MultiHeadAttention's state, except that a sampling policy
      (``Certified(search='mc')``) adds its own rng stream ``search_rngs``.
+     A jitted step over a fresh layer therefore compiles twice (the second
+     call meets the new variable); ``jaxtopk.nn.init_certificates(model,
+     x)`` creates it first, and the step compiles once.
   4. The decode cache is a ``jaxtopk.KVCache`` in ``kv_cache`` (one
      ``nnx.Cache``); ``cached_key``, ``cached_value`` and ``cache_index``
      are read-only views of it in Flax's layout.

@@ -1,5 +1,6 @@
 """An optax training step through Top-k attention lowers the loss."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +76,71 @@ class TrainingTest(parameterized.TestCase):
     self.assertLess(losses[-1], 0.5 * losses[0])
     cert = model.attn.last_certificate.get_value()
     self.assertEqual(cert.tv_bound.shape, (BATCH, SEQ, HEADS))
+
+
+class InitCertificatesTest(absltest.TestCase):
+  def _step(self, traces):
+    x, y = _task()
+
+    @nnx.jit
+    def step(model):
+      traces.append(1)  # runs when nnx.jit traces the step
+
+      def loss_fn(model):
+        return jnp.mean((model(x) - y) ** 2)
+
+      return nnx.value_and_grad(loss_fn)(model)
+
+    return x, step
+
+  def test_a_fresh_model_compiles_its_jitted_step_once(self):
+    policy = jaxtopk.Certified(0.1)
+    for init, expected in ((False, 2), (True, 1)):
+      with self.subTest(init=init):
+        model = Regressor(policy, rngs=nnx.Rngs(0))
+        traces = []
+        x, step = self._step(traces)
+        if init:
+          topk_nn.init_certificates(model.attn, x, is_causal=True)
+        for _ in range(3):
+          jax.block_until_ready(step(model))
+        # Without it, the second call sees last_certificate as new state.
+        self.assertLen(traces, expected)
+
+  def test_placeholder_is_invalid_and_leaves_the_model_as_it_was(self):
+    model = Regressor(jaxtopk.Certified(0.1), rngs=nnx.Rngs(0))
+    other = Regressor(jaxtopk.Certified(0.1), rngs=nnx.Rngs(0))
+    x, _ = _task()
+    before = nnx.state(model)
+    topk_nn.init_certificates(model, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    chex.assert_trees_all_equal(
+      nnx.state(model, nnx.Not(nnx.Intermediate)), before
+    )
+    placeholder = model.attn.last_certificate.get_value()
+    self.assertFalse(np.any(placeholder.valid))
+    self.assertTrue(np.all(np.isnan(placeholder.tv_bound)))
+    self.assertFalse(np.any(placeholder.k_kept))
+    other(x)
+    cert = other.attn.last_certificate.get_value()
+    chex.assert_trees_all_equal_shapes_and_dtypes(placeholder, cert)
+    self.assertEqual(jax.tree.structure(placeholder), jax.tree.structure(cert))
+    model(x)  # the first call overwrites it
+    chex.assert_trees_all_equal(model.attn.last_certificate.get_value(), cert)
+
+  def test_layers_the_call_does_not_reach_get_none(self):
+    model = Regressor(jaxtopk.Dense(), rngs=nnx.Rngs(0))
+    spare = topk_nn.CertifiedTopKAttention(
+      num_heads=HEADS,
+      in_features=FEATURES,
+      policy=jaxtopk.Dense(),
+      decode=False,
+      rngs=nnx.Rngs(1),
+    )
+    model.spare = spare
+    x, _ = _task()
+    topk_nn.init_certificates(model, x)
+    self.assertIsNotNone(model.attn.last_certificate)
+    self.assertIsNone(model.spare.last_certificate)
 
 
 if __name__ == "__main__":
