@@ -310,11 +310,21 @@ def decoder_cache(model, c, tasks, num_sequences, seed) -> tuple[Cache, dict]:
     (each row its own cache of n = seq_len keys, one query), and the dense
     answer accuracy per task at this context.
   """
+  from experiments import _long_context_data as lcd
   from experiments import native_topk as nt
+
+  def make(task, task_seed):
+    if task in lcd.TASKS:  # the long-context model's own (RULER-style) tasks
+      vocab = nt._vocab(c)
+      text = lcd.text_tokens(lcd.EVAL_PART, vocab)
+      return lcd.eval_task(
+        task, task_seed, num_sequences, c.seq_len, vocab, text
+      )
+    return nt.make_task(c, task, task_seed, num_sequences)
 
   ks, vs, qs, labels, acc = [], [], [], [], {}
   for i, task in enumerate(tasks):
-    batch = nt.make_task(c, task, (seed, 77, i), num_sequences)
+    batch = make(task, (seed, 77, i))
     tokens = jnp.asarray(batch.inputs)
     layers, logits = _decoder_qkv(model, tokens)
     col = batch.first_answer

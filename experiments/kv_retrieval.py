@@ -275,6 +275,9 @@ def measure_windows(cache, windows, config, writer, index, s64):
       q, index, pos[None, None, None], scale=cache.scale
     )
     r = _rows(cert, heads, nq, s64, np.broadcast_to(keep, s64.shape))
+    # Rows whose window holds >= 95% of the mass, and those of them whose
+    # certificate is within 2 tau + 0.01 (the tightness goal).
+    held = r["tau"] <= 0.05
     rec = writer.write(
       "window",
       cache=cache.name,
@@ -285,6 +288,8 @@ def measure_windows(cache, windows, config, writer, index, s64):
       tv_over_tau_median=float(
         np.median(r["tv"] / np.maximum(r["tau"], 1e-300))
       ),
+      held_rows=int(held.sum()),
+      within_2tau_rows=int((held & (r["tv"] <= 2 * r["tau"] + 0.01)).sum()),
     )
     out.append((rec, r))
     for eps in config.eps:
@@ -548,6 +553,8 @@ def _tables(searches, windows, updates, timings):
         "tv_bound_max",
         "tau_max",
         "tv_over_tau_median",
+        "held_rows",
+        "within_2tau_rows",
         "sound_rows",
         "rows",
       ],
