@@ -89,9 +89,11 @@ def init_certificates(model: nnx.Module, *args: Any, **kwargs: Any) -> None:
   12.2 s, then 9.4 s; nnx.MultiHeadAttention 1.5 s). Called once before
   the loop, this compiles nothing: the shapes come from ``nnx.eval_shape``
   (parameters, rng counts and caches are left as they are), and each layer
-  gets a placeholder of those shapes whose rows are invalid (``valid``
-  False, ``tv_bound`` NaN, ``k_kept`` 0; ``core.mark_invalid``) until its
-  first call overwrites it.
+  the call reaches gets a placeholder of those shapes whose rows are
+  invalid (``valid`` False, ``tv_bound`` NaN, ``k_kept`` 0;
+  ``core.mark_invalid``) until its next call overwrites it (a certificate
+  it held is replaced); layers the call does not reach are left as they
+  are.
 
   Args:
     model: an ``nnx.Module`` holding certified layers (or one such layer).
@@ -129,17 +131,20 @@ def init_certificates(model: nnx.Module, *args: Any, **kwargs: Any) -> None:
     it = iter(arrays)
     full = [next(it) if d else x for d, x in zip(dynamic, leaves, strict=True)]
     a, kw = jax.tree.unflatten(tree, full)
+    for _, layer in layers(m):  # so that only the layers the call reaches
+      if "last_certificate" in vars(layer):  # hold one afterwards (in this
+        del layer.last_certificate  # copy): the class default, None
     m(*a, **kw)
     return {
       path: layer.last_certificate.get_value()
       for path, layer in layers(m)
-      if layer.last_certificate is not None  # not reached by this call
+      if layer.last_certificate is not None
     }
 
   arrays = [x for d, x in zip(dynamic, leaves, strict=True) if d]
   abstract = nnx.eval_shape(shapes, model, arrays)
   for path, layer in layers(model):
-    if path not in abstract:
+    if path not in abstract:  # not reached by this call: left as it is
       continue
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract[path])
     layer._record(core.mark_invalid(zeros, True), False)

@@ -141,6 +141,15 @@ class InitCertificatesTest(absltest.TestCase):
     topk_nn.init_certificates(model, x)
     self.assertIsNotNone(model.attn.last_certificate)
     self.assertIsNone(model.spare.last_certificate)
+    # A layer that holds a certificate: replaced where the call reaches it
+    # (the new shape), left as it is where it does not.
+    spare(x[:1, :5])
+    held = spare.last_certificate.get_value()
+    topk_nn.init_certificates(model, x[:, :7])
+    self.assertEqual(
+      model.attn.last_certificate.get_value().valid.shape, (BATCH, 7, HEADS)
+    )
+    chex.assert_trees_all_equal(spare.last_certificate.get_value(), held)
 
 
 if __name__ == "__main__":
