@@ -48,7 +48,8 @@ def collect_certificates(tree: Any) -> dict[str, Certificate]:
     ``'/'``, e.g. ``'blocks/0/attn/last_certificate'``, and sown tuples add
     the call index, e.g. ``'attn/certificate/0'``. Arrays keep their shape,
     ``[batch..., q_len, num_heads]`` for attention layers. Layers not yet
-    called are absent.
+    called are absent (after ``init_certificates``: present, every row
+    invalid).
 
   Example:
     >>> import jax.numpy as jnp
