@@ -144,8 +144,8 @@ def register_decode_implementation(name: str, fn: Callable) -> None:
   'return_residual' by name.
   """
 
-  def op_fn(query, cache, *, policy, scale, key):
-    scale, rng = checks.check_decode_call(query, cache, policy, scale, key)
+  def op_fn(query, cache, *, policy, scale, rng):
+    scale, rng = checks.check_decode_call(query, cache, policy, scale, rng)
     return fn(query, cache, rng, policy=policy, scale=scale)
 
   registry.register(
@@ -1092,8 +1092,8 @@ def decode_over(query, cache, rng, *, policy, scale, residual, view=None):
   return _xla_decode(query, cache, rng, scale, static_scale=None, **kw)
 
 
-def _xla_op(query, cache, *, policy, scale, key, return_residual=False):
-  scale, rng = checks.check_decode_call(query, cache, policy, scale, key)
+def _xla_op(query, cache, *, policy, scale, rng, return_residual=False):
+  scale, rng = checks.check_decode_call(query, cache, policy, scale, rng)
   return xla_decode_attention(
     query,
     cache,
@@ -1205,7 +1205,7 @@ def decode_attention(
 
   def call(op):
     kw = dict(return_residual=True) if return_residual else {}
-    return op.fn(query, cache, policy=policy, scale=scale, key=rng, **kw)
+    return op.fn(query, cache, policy=policy, scale=scale, rng=rng, **kw)
 
   result = registry.dispatch(
     "decode",

@@ -226,7 +226,7 @@ def index_decode_attention(
   policy: selection.Policy,
   scale=None,
   implementation: str | None = None,
-  key=None,
+  rng=None,
   return_residual: bool = False,
 ) -> (
   tuple[jax.Array, selection.Certificate]
@@ -280,9 +280,7 @@ def index_decode_attention(
       f"Certified.block_size={policy.block_size} must equal the index's"
       f" group_size={index.group_size} for search={policy.search!r}"
     )
-  if policy.search.needs_rng and key is None:
-    raise ValueError("search='mc' needs a PRNG key: pass key=")
-  rng = jax.random.key(0) if key is None else key
+  rng = checks.check_rng(policy, rng)
   res = _search_decode(
     query,
     index,
@@ -562,13 +560,13 @@ def _index_sample(query, index, dyn_scale=None, *, eps, scale):
   return use.reshape(b, 1, h), extra.reshape(b, 1, h).astype(jnp.int32)
 
 
-def _index_op(query, cache, *, policy, scale, key, return_residual=False):
+def _index_op(query, cache, *, policy, scale, rng, return_residual=False):
   return index_decode_attention(
     query,
     cache,
     policy=policy,
     scale=scale,
-    key=key,
+    rng=rng,
     return_residual=return_residual,
   )
 

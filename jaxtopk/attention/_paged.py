@@ -392,10 +392,10 @@ def _gather(cache: PagedKVCache) -> KVCache:
   return _cache.dense_cache(_view(cache))
 
 
-def _paged_op(query, cache, *, policy, scale, key, return_residual=False):
+def _paged_op(query, cache, *, policy, scale, rng, return_residual=False):
   _cache.check_live(cache, "decode_attention")
   shapes = jax.eval_shape(_gather, cache)
-  scale, rng = checks.check_decode_call(query, shapes, policy, scale, key)
+  scale, rng = checks.check_decode_call(query, shapes, policy, scale, rng)
   return _decode.decode_over(
     query,
     cache,

@@ -41,8 +41,8 @@ Names:
 - ``scale_ok(scale)``: bool, for the validity rule of a dynamic scale.
 - ``check_policy(policy, backend, supports)``: a Policy the backend honours
   (``selection.internal.check_policy``).
-- ``check_rng(policy, key)``: a PRNG key where the search needs one.
-- ``check_decode_call(query, cache, policy, scale, key)``: a decode call
+- ``check_rng(policy, rng)``: a PRNG key where the search needs one.
+- ``check_decode_call(query, cache, policy, scale, rng)``: a decode call
   over a KVCache (query shape, scale, PRNG key), for its ops.
 - ``empty_result(...)``: the defined result for q_len = 0 or kv_len = 0.
 """
@@ -390,7 +390,7 @@ def scale_ok(scale) -> jax.Array | bool:
   return core.scale_ok(scale)
 
 
-def check_decode_call(query, cache, policy, scale, key):
+def check_decode_call(query, cache, policy, scale, rng):
   """The checks of a decode call over a KVCache, shared by its ops: the
   query ``[batch, q_len, num_heads, head_dim]`` (q_len >= 1; an op that
   attends one step refuses q_len > 1 through the registry) against the
@@ -420,20 +420,20 @@ def check_decode_call(query, cache, policy, scale, key):
       f"num_heads={query.shape[2]} must be a positive multiple of"
       f" num_kv_heads={hk}"
     )
-  return check_scale(scale, d), check_rng(policy, key)
+  return check_scale(scale, d), check_rng(policy, rng)
 
 
-def check_rng(policy, key):
+def check_rng(policy, rng):
   """The PRNG key a random search needs (MC-Search), or a clear error.
 
   Returns:
-    ``key``, or ``jax.random.key(0)`` for a deterministic policy with no
+    ``rng``, or ``jax.random.key(0)`` for a deterministic policy with no
     key (unused by it).
   """
   search = getattr(policy, "search", None)
-  if search is not None and search.needs_rng and key is None:
-    raise ValueError(f"Certified.search={search!r} needs a PRNG key: pass key=")
-  return jax.random.key(0) if key is None else key
+  if search is not None and search.needs_rng and rng is None:
+    raise ValueError(f"Certified.search={search!r} needs a PRNG key: pass rng=")
+  return jax.random.key(0) if rng is None else rng
 
 
 def empty_result(

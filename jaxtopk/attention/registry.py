@@ -34,6 +34,8 @@ skipped.
 """
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -41,6 +43,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxtopk import _deprecation
 from jaxtopk.selection import Policy
 from jaxtopk.selection import UnsupportedPolicyError
 
@@ -71,6 +74,26 @@ class UnsupportedCacheError(NotImplementedError, ValueError):
   """No op of the requested implementation attends over this cache type."""
 
 
+def _takes_key_not_rng(fn) -> bool:
+  """Whether a decode op's ``fn`` names its PRNG key ``key`` (the name
+  before 0.2.0) and not ``rng``."""
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):  # not introspectable (or None)
+    return False
+  return "key" in params and "rng" not in params
+
+
+def _rng_as_key(fn):
+  """``fn`` called with ``rng=`` passed on as ``key=``."""
+
+  @functools.wraps(fn)
+  def call(query, cache, *, rng, **kw):
+    return fn(query, cache, key=rng, **kw)
+
+  return call
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class AttentionOp:
   """One attention path and what it honours (see the module docstring).
@@ -84,8 +107,10 @@ class AttentionOp:
       local_window_size, values_bound, return_residual) -> (output,
       Certificate, lse)`` on checked, batched arguments (``lse`` None unless
       ``return_residual``). Decode: ``fn(query, cache, *, policy, scale,
-      key) -> (output, Certificate)`` on unchecked arguments (it checks
-      its own shapes, scale and PRNG key); an op that takes
+      rng) -> (output, Certificate)`` on unchecked arguments (it checks
+      its own shapes, scale and PRNG key ``rng``; a decode ``fn`` that
+      takes the deprecated ``key=`` instead is called with it and warns);
+      an op that takes
       'return_residual' is called with ``return_residual=True`` when asked
       and then returns ``(output, Certificate, lse)``.
     label: how errors name the path, e.g.
@@ -130,6 +155,13 @@ class AttentionOp:
         f"op {self.name!r}: a decode op names its cache types, a prefill op"
         " none"
       )
+    if self.kind == "decode" and _takes_key_not_rng(self.fn):
+      _deprecation.warn(
+        f"decode op {self.name!r}: fn(..., key=) for the PRNG key",
+        "fn(..., rng=)",
+        stacklevel=3,
+      )
+      object.__setattr__(self, "fn", _rng_as_key(self.fn))
 
   def supported(self, policy: Policy) -> frozenset[str]:
     """The policy features this op honours for ``policy``."""

@@ -230,9 +230,9 @@ def _decode_splits(cache) -> int:
   return max(1, min(8, cache.num_blocks // 16))
 
 
-def _decode_op(query, cache, *, policy, scale, key):
+def _decode_op(query, cache, *, policy, scale, rng):
   """``pallas_decode_attention`` as the registry calls it (unchecked)."""
-  scale, rng = checks.check_decode_call(query, cache, policy, scale, key)
+  scale, rng = checks.check_decode_call(query, cache, policy, scale, rng)
   return pallas_decode_attention(query, cache, rng, policy=policy, scale=scale)
 
 

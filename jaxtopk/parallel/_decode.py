@@ -263,10 +263,10 @@ def sharded_decode_attention(
   return fn(*args)
 
 
-def _decode_op(query, cache, *, policy, scale, key):
+def _decode_op(query, cache, *, policy, scale, rng):
   """``sharded_decode_attention`` over the mesh of ``jax.set_mesh``, as the
   registry calls it (unchecked arguments)."""
-  del key  # no random search here (MC-Search is refused)
+  del rng  # no random search here (MC-Search is refused)
   mesh = _mesh.context_mesh(DECODE_OP.label)
   return sharded_decode_attention(
     query, cache, policy=policy, mesh=mesh, scale=scale

@@ -154,6 +154,49 @@ class OpsTest(absltest.TestCase):
     finally:
       del registry.OPS["refusing_prefill"]
 
+  def test_decode_op_gets_the_prng_key_as_rng(self):
+    q, k, v = _qkv()
+    qd, cache = q[:, :1], _cache(k, v)
+    search = jaxtopk.MCSearch(block_size=BS, num_samples=2)
+    policy = jaxtopk.Certified(0.1, search)
+    rng = jax.random.key(3)
+    xla = registry.OPS["xla_decode"]
+    seen = {}
+
+    def new_style(query, cache, *, policy, scale, rng):
+      seen["rng"] = rng
+      return xla.fn(query, cache, policy=policy, scale=scale, rng=rng)
+
+    def old_style(query, cache, *, policy, scale, key):
+      seen["key"] = key
+      return xla.fn(query, cache, policy=policy, scale=scale, rng=key)
+
+    def op(name, fn):
+      return registry.AttentionOp(
+        name=f"{name}_decode",
+        implementation=name,
+        kind="decode",
+        fn=fn,
+        label=name,
+        supports=xla.supports,
+        cache_types=(jaxtopk.KVCache,),
+      )
+
+    want = jaxtopk.decode_attention(qd, cache, policy=policy, rng=rng)
+    registry.register(op("new_style", new_style))
+    with self.assertWarnsRegex(DeprecationWarning, "key="):
+      registry.register(op("old_style", old_style))
+    try:
+      for name in ("new_style", "old_style"):
+        got = jaxtopk.decode_attention(
+          qd, cache, policy=policy, rng=rng, implementation=name
+        )
+        _equal(got, want)
+      self.assertIs(seen["rng"], rng)
+      self.assertIs(seen["key"], rng)
+    finally:
+      del registry.OPS["new_style_decode"], registry.OPS["old_style_decode"]
+
   def test_declarations_checked(self):
     with self.assertRaisesRegex(ValueError, "unknown arguments"):
       registry.AttentionOp(
