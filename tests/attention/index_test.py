@@ -395,9 +395,21 @@ class IndexTest(parameterized.TestCase):
     self.assertLess(float(np.mean(cert.k_kept)), N)
 
   @parameterized.named_parameters(
-    ("block_size", dict(search="delta", block_size=16), "block_size=16"),
-    ("max_topk", dict(search="delta", block_size=C, max_topk=3), "max_topk"),
-    ("lowrank", dict(search="delta", block_size=C, bound="lowrank"), "bound"),
+    (
+      "block_size",
+      dict(search=jaxtopk.DeltaSearch(block_size=16)),
+      "block_size=16",
+    ),
+    (
+      "max_topk",
+      dict(search=jaxtopk.DeltaSearch(block_size=C), max_topk=3),
+      "max_topk",
+    ),
+    (
+      "lowrank",
+      dict(search=jaxtopk.DeltaSearch(block_size=C, bound=jaxtopk.LowRank())),
+      "bound",
+    ),
   )
   def test_refused_fields(self, kwargs, fragment):
     k, v, q = _clustered()
