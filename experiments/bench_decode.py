@@ -25,6 +25,12 @@ jax.lax.top_k + gather, at 8 heads, head_dim 128, rho = 1/64, n = 16,384 and
 - cert_mixed: half the heads peaked, half flat (the rows of a real
              model differ): Auto keeps every key of such a batch; goal:
              never above ``dense`` either
+- jaxtopk_dense, jaxtopk_dense_q4: decode_attention(policy=Dense()) of one
+             query step and of ``config.q_len`` steps (multi-query
+             verification, the steps already appended); goal: q4 at most
+             1.5x one step (``*_q4_over_q1``)
+- cert_peaked_q4: Certified(0.05) on ``config.q_len`` peaked steps, against
+             ``cert_peaked``
 
 Each variant is jitted, warmed up, then timed ``config.repeats`` times;
 ``results.json`` records min and median (the machine is shared, so min is
@@ -55,15 +61,24 @@ VARIANTS = (
   "cert_exact_peaked",
   "cert_flat",
   "cert_mixed",
+  "jaxtopk_dense",
+  "jaxtopk_dense_q4",
+  "cert_peaked_q4",
+)
+# (multi-query variant, its one-step twin): ``{q4}_over_q1`` ratios.
+MULTI_QUERY = (
+  ("jaxtopk_dense_q4", "jaxtopk_dense"),
+  ("cert_peaked_q4", "cert_peaked"),
 )
 
 
-def bench(n, *, heads, head_dim, rho, repeats):
+def bench(n, *, heads, head_dim, rho, repeats, q_len):
   """Times every variant at ``n`` keys; returns a dict of results."""
   kk, kv, kq = jax.random.split(jax.random.key(0), 3)
   k = jax.random.normal(kk, (1, n, heads, head_dim))
   v = jax.random.normal(kv, (1, n, heads, head_dim))
-  q = jax.random.normal(kq, (1, 1, heads, head_dim))
+  q_all = jax.random.normal(kq, (1, q_len, heads, head_dim))
+  q = q_all[:, -1:]  # the last step: one-step variants
   cache = jaxtopk.KVCache.create(1, n, heads, head_dim, block_size=64)
   cache = cache.append(k, v)
   del k, v
@@ -114,6 +129,10 @@ def bench(n, *, heads, head_dim, rho, repeats):
   def exact_fn(q, cache):
     return jaxtopk.decode_attention(q, cache, policy=exact)
 
+  @jax.jit
+  def dense_fn(q, cache):
+    return jaxtopk.decode_attention(q, cache, policy=jaxtopk.Dense())
+
   # Logit std = |q| / sqrt(d) * |k| ~ 1 for normal q, k: peaked x4, flat x0.1.
   q_peaked, q_flat = 4.0 * q, 0.1 * q
   half = heads // 2
@@ -132,6 +151,9 @@ def bench(n, *, heads, head_dim, rho, repeats):
         cert_exact_peaked=(exact_fn, (q_peaked, cache)),
         cert_flat=(cert_fn, (q_flat, cache)),
         cert_mixed=(cert_fn, (q_mixed, cache)),
+        jaxtopk_dense=(dense_fn, (q, cache)),
+        jaxtopk_dense_q4=(dense_fn, (q_all, cache)),
+        cert_peaked_q4=(cert_fn, (4.0 * q_all, cache)),
       ),
       repeats=repeats,
     )
@@ -157,6 +179,13 @@ def bench(n, *, heads, head_dim, rho, repeats):
       res[f"{name}_over_floor_{stat[:-3]}"] = (
         res[name][stat] / res["floor"][stat]
       )
+  for many, one in MULTI_QUERY:
+    for stat in ("min_ms", "median_ms"):
+      res[f"{many}_over_q1_{stat[:-3]}"] = res[many][stat] / res[one][stat]
+  _, c = cert_fn(4.0 * q_all, cache)
+  res["cert_peaked_q4_k_kept_mean"] = float(jnp.mean(c.k_kept))
+  res["cert_peaked_q4_tv_bound_max"] = float(jnp.max(c.tv_bound))
+  res["cert_peaked_q4_valid"] = bool(jnp.all(c.valid))
   return res
 
 
@@ -173,6 +202,7 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
       head_dim=config.head_dim,
       rho=config.rho,
       repeats=config.repeats,
+      q_len=config.q_len,
     )
     wd.metrics.write("decode", **r)
     results.append(r)
@@ -197,13 +227,18 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
     ylabel="time / logits floor (min)",
     title=f"One decode step, {config.heads} heads, d={config.head_dim}",
   )
+  q1 = [f"{many}_over_q1" for many, _ in MULTI_QUERY]
   wd.write_summary(
     _common.format_table(
       [
-        {"n": r["n"], **{v: r[f"{v}_over_floor_min"] for v in VARIANTS}}
+        {
+          "n": r["n"],
+          **{v: r[f"{v}_over_floor_min"] for v in VARIANTS},
+          **{v: r[f"{v}_min"] for v in q1},
+        }
         for r in results
       ],
-      ["n", *VARIANTS],
+      ["n", *VARIANTS, *q1],
     )
   )
   return record

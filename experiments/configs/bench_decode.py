@@ -19,6 +19,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.head_dim = 128  # head dimension
   c.rho = 1 / 64  # kept fraction of jaxtopk.Ratio and of lax.top_k
   c.repeats = 15  # timed calls per variant (round-robin, after 2 warm-ups)
+  c.q_len = 4  # query steps of the multi-query variants (*_q4)
   if arg == "smoke":
     # Under jaxtopk's AUTO_MIN_KEYS (1,024) Certified(eps) takes the exact
     # search: a smaller program (Auto's key-code path runs in bound_study's

@@ -103,6 +103,9 @@ class SmokeRunTest(parameterized.TestCase):
     self.assertLess(r["max_abs_diff_vs_lax_topk"], 1e-5)
     for variant in ("floor", "dense", "lax_topk", "jaxtopk"):
       self.assertGreater(r[variant]["min_ms"], 0.0)
+    self.assertGreater(r["jaxtopk_dense_q4_over_q1_min"], 0.0)
+    self.assertTrue(r["cert_peaked_q4_valid"])
+    self.assertLessEqual(r["cert_peaked_q4_tv_bound_max"], 0.05)
 
   def _check_bench_serving(self, record):
     (r,) = record["results"]
