@@ -245,8 +245,12 @@ class DecodeRegressionTest(parameterized.TestCase):
   def test_max_topk_caps_every_strategy(self, search):
     # Rows of ``_decode`` (delta: the program of POLICIES[3]).
     rng = np.random.default_rng(1)
-    kw = {} if search == "exact" else dict(block_size=BS)
-    policy = jaxtopk.Certified(0.01, search, max_topk=4, **kw)
+    strategy = dict(
+      exact="exact",
+      delta=jaxtopk.DeltaSearch(block_size=BS),
+      mc=jaxtopk.MCSearch(block_size=BS),
+    )[search]
+    policy = jaxtopk.Certified(0.01, strategy, max_topk=4)
     for _ in range(2):
       k = np.float32(0.1 * rng.normal(size=(N, D)))
       q = np.float32(rng.normal(size=(H, D)))
