@@ -35,21 +35,27 @@ def value_rows(draw):
   return np.asarray(v, np.float32)
 
 
-def _all_bounds(logits, keep, values, valid, tv):
-  ht = theory.head_tail_means(logits, keep, values, valid)
-  eps = jnp.finfo(jnp.float32).eps
-  up = 1 + (DV + 4) * eps
-  v32 = values.astype(jnp.float32)
-  v_norm = jnp.sqrt(jnp.sum(v32 * v32, -1))
+def _value_norm_inputs(s64, keep, v64, valid):
+  """Upper bounds (float32, rounded up) on tau, ||mu_head|| and the tail's
+  largest value norm, from the extended-precision truth: the arguments
+  ``value_norm_bound`` requires. (float32 means of a row whose head sits
+  hundreds of logits below its max carry ~1e-5 relative error, which the
+  library's own bounds account for through ``LogMass.err``.)"""
+  up = lambda x: np.nextafter(np.float32(x), np.float32(np.inf))  # noqa: E731
+  tau = min(1.0, float(np.exp(truth.log_tau(s64, keep, valid))))
+  head = valid & keep
+  mu = truth.probs(s64, head) @ v64 if head.any() else np.zeros(v64.shape[1])
   tail = valid & ~keep
-  max_tail = jnp.max(jnp.where(tail, v_norm, 0.0)) * up
-  mu_norm = jnp.sqrt(jnp.sum(ht.mu_head * ht.mu_head)) * up
-  tau_up = jnp.exp(theory.log_tail_mass(logits, keep, valid) + 1e-5)
-  tau_up = jnp.minimum(tau_up, 1.0)
+  norms = np.linalg.norm(v64[tail], axis=-1)
+  max_tail = float(norms.max()) if norms.size else 0.0
+  return min(up(tau), np.float32(1.0)), up(np.linalg.norm(mu)), up(max_tail)
+
+
+def _all_bounds(logits, keep, values, valid, tv, value_norm_inputs):
   return {
     "diameter": theory.diameter_bound(logits, keep, values, valid),
     "variance": theory.variance_bound(logits, keep, values, valid),
-    "value_norm": theory.value_norm_bound(tau_up, mu_norm, max_tail),
+    "value_norm": theory.value_norm_bound(*value_norm_inputs),
     "diameter_t": theory.diameter_bound(
       logits, keep, values, valid, tv_bound=tv
     ),
@@ -140,7 +146,8 @@ class SoundnessTest(parameterized.TestCase):
     log_tau = truth.log_tau(s64, keep, valid)
     tau = float(np.exp(log_tau))
     tv = np.float32(min(1.0, tau * (1 + 1e-5) + extra))  # any t >= tau
-    got = _BOUNDS(logits, keep, values, valid, tv)
+    inputs = _value_norm_inputs(s64, keep, v64, valid)
+    got = _BOUNDS(logits, keep, values, valid, tv, inputs)
     # The extended-precision reference is itself off by ~1e-19 |v| (e.g.
     # when all values are equal and the true error is 0).
     ref_err = 1e-15 * np.abs(v64[valid]).max()
