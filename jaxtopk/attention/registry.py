@@ -34,7 +34,6 @@ skipped.
 """
 
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -85,9 +84,11 @@ def _takes_key_not_rng(fn) -> bool:
 
 
 def _rng_as_key(fn):
-  """``fn`` called with ``rng=`` passed on as ``key=``."""
+  """``fn`` called with ``rng=`` passed on as ``key=``. (Not
+  ``functools.wraps``: its signature would show ``key`` again, and an op
+  rebuilt from this one, e.g. by ``dataclasses.replace``, would be wrapped
+  twice.)"""
 
-  @functools.wraps(fn)
   def call(query, cache, *, rng, **kw):
     return fn(query, cache, key=rng, **kw)
 

@@ -1,6 +1,9 @@
 """The registry of attention ops (``attention.registry``): dispatch by name,
 sequence and cache type."""
 
+import dataclasses
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,8 +197,23 @@ class OpsTest(absltest.TestCase):
         _equal(got, want)
       self.assertIs(seen["rng"], rng)
       self.assertIs(seen["key"], rng)
+      # An op rebuilt from the wrapped one is neither warned about nor
+      # wrapped again.
+      with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        again = dataclasses.replace(
+          registry.OPS["old_style_decode"],
+          name="again_decode",
+          implementation="again",
+        )
+      registry.register(again)
+      got = jaxtopk.decode_attention(
+        qd, cache, policy=policy, rng=rng, implementation="again"
+      )
+      _equal(got, want)
     finally:
-      del registry.OPS["new_style_decode"], registry.OPS["old_style_decode"]
+      for name in ("new_style", "old_style", "again"):
+        registry.OPS.pop(f"{name}_decode", None)
 
   def test_declarations_checked(self):
     with self.assertRaisesRegex(ValueError, "unknown arguments"):
