@@ -35,14 +35,13 @@ def value_rows(draw):
   return np.asarray(v, np.float32)
 
 
-def _value_norm_inputs(s64, keep, v64, valid):
-  """Upper bounds (float32, rounded up) on tau, ||mu_head|| and the tail's
+def _value_norm_inputs(tau, s64, keep, v64, valid):
+  """Upper bounds (float32, rounded up) on ``tau``, ||mu_head|| and the tail's
   largest value norm, from the extended-precision truth: the arguments
   ``value_norm_bound`` requires. (float32 means of a row whose head sits
   hundreds of logits below its max carry ~1e-5 relative error, which the
   library's own bounds account for through ``LogMass.err``.)"""
   up = lambda x: np.nextafter(np.float32(x), np.float32(np.inf))  # noqa: E731
-  tau = min(1.0, float(np.exp(truth.log_tau(s64, keep, valid))))
   head = valid & keep
   mu = truth.probs(s64, head) @ v64 if head.any() else np.zeros(v64.shape[1])
   tail = valid & ~keep
@@ -146,7 +145,7 @@ class SoundnessTest(parameterized.TestCase):
     log_tau = truth.log_tau(s64, keep, valid)
     tau = float(np.exp(log_tau))
     tv = np.float32(min(1.0, tau * (1 + 1e-5) + extra))  # any t >= tau
-    inputs = _value_norm_inputs(s64, keep, v64, valid)
+    inputs = _value_norm_inputs(tau, s64, keep, v64, valid)
     got = _BOUNDS(logits, keep, values, valid, tv, inputs)
     # The extended-precision reference is itself off by ~1e-19 |v| (e.g.
     # when all values are equal and the true error is 0).
