@@ -97,6 +97,10 @@ class IndexedKVCache:
     centre_norm: ``[b, hk, G]`` float32 ||c|| rounded up.
     vnorm: ``[b, hk, G]`` float32 largest ||v|| of the members, rounded up
       (``core.value_norms``: compressed above 2^126).
+    value_norms: ``[b, hk, G, C]`` float32 ||v|| of each slot's value as
+      ``core.value_norms`` gives it (NaN for a value with a non-finite
+      component; 0 in empty slots), kept at build and append so that no
+      decode recomputes them.
     slot: ``[b, hk, n]`` int32 ``g * C + j`` of each filled position, -1
       for unfilled positions.
     key_absmax: ``[b, hk, d]`` float32 max_i |k_ic| over the stored keys
@@ -127,6 +131,7 @@ class IndexedKVCache:
   radius: jax.Array
   centre_norm: jax.Array
   vnorm: jax.Array
+  value_norms: jax.Array
   slot: jax.Array
   key_absmax: jax.Array
   key_norm: jax.Array
@@ -316,7 +321,8 @@ def _segment_max(x, seg, num, fill):
 
 
 def _group_summaries(x, v, valid, grp, num_groups):
-  """Centre, radius, ||c||, count, value-norm max of each group of a row."""
+  """Centre, radius, ||c||, count, value-norm max of each group of a row,
+  and the value norm of each key (0 where not valid)."""
   w = valid.astype(x.dtype)
   g = jnp.where(valid, grp, num_groups)  # invalid keys: dropped segment
   cnt = jax.ops.segment_sum(valid.astype(jnp.int32), g, num_groups + 1)
@@ -335,7 +341,7 @@ def _group_summaries(x, v, valid, grp, num_groups):
   bad = jax.ops.segment_max(jnp.isnan(vn).astype(jnp.int32), g, num_groups + 1)
   vnorm = _segment_max(vn, g, num_groups + 1, 0.0)[:num_groups]
   vnorm = jnp.where(bad[:num_groups] > 0, jnp.nan, vnorm)
-  return centre, radius, norm_up(centre), cnt[:num_groups], vnorm
+  return centre, radius, norm_up(centre), cnt[:num_groups], vnorm, vn
 
 
 def radius_to(x, c) -> jax.Array:
@@ -413,9 +419,10 @@ def _build_row(
   vg = jnp.zeros((flat, values.shape[-1]), values.dtype)
   vg = vg.at[slot].set(values, mode="drop")
   pos = jnp.full((flat,), -1, jnp.int32).at[slot].set(idx, mode="drop")
-  centre, radius, cnorm, cnt, vnorm = _group_summaries(
+  centre, radius, cnorm, cnt, vnorm, vn = _group_summaries(
     keys.astype(dt), values, valid, grp, num_groups
   )
+  vns = jnp.zeros((flat,), vn.dtype).at[slot].set(vn, mode="drop")
   slot_of = jnp.full((max_len,), -1, jnp.int32)
   slot_of = slot_of.at[idx].set(jnp.where(valid, slot, -1), mode="drop")
   absmax = core.max_nan(jnp.where(valid[:, None], jnp.abs(x), 0.0), 0)
@@ -434,6 +441,7 @@ def _build_row(
     radius=radius,
     centre_norm=cnorm,
     vnorm=vnorm,
+    value_norms=vns.reshape(num_groups, c_sz),
     slot=slot_of,
     key_absmax=absmax,
     key_norm=knorm,
@@ -626,6 +634,7 @@ def _append_row(row, k, v, pos, write, c_sz):
   out["keys"] = row["keys"].at[g, jj].set(k, mode="drop")
   out["values"] = row["values"].at[g, jj].set(v, mode="drop")
   out["position"] = row["position"].at[g, jj].set(pos, mode="drop")
+  out["value_norms"] = row["value_norms"].at[g, jj].set(vn, mode="drop")
   p = jnp.where(ok, pos, row["slot"].shape[0])
   out["slot"] = row["slot"].at[p].set(g * c_sz + j, mode="drop")
   absmax = jnp.maximum(row["key_absmax"], jnp.abs(x))
@@ -648,6 +657,7 @@ _ROW_FIELDS = (
   "radius",
   "centre_norm",
   "vnorm",
+  "value_norms",
   "slot",
   "key_absmax",
   "key_norm",

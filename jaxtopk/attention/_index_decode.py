@@ -183,7 +183,7 @@ def _full_decode(
     pos = index.position.reshape(bb, hk, 1, -1)
     valid = valid & (pos >= 0) & (pos < limit[:, None, :, None])
   delta, _ = row_errors(q, qf, index, scale)
-  norms = core.value_norms(v)[:, :, None]  # [b, hk, 1, n]
+  norms = index.value_norms.reshape(bb, hk, 1, -1)  # [b, hk, 1, n]
   keep = internal.keep_mask(
     s, policy, valid & (s > -jnp.inf), logit_error=delta
   )

@@ -14,6 +14,7 @@ from hypothesis import settings
 
 import jaxtopk
 from jaxtopk.attention import _index_decode
+from jaxtopk.selection import core
 from jaxtopk.selection import key_codes
 from tests.theory import truth
 
@@ -291,6 +292,11 @@ class IndexTest(parameterized.TestCase):
       kf = np.asarray(idx.keys).reshape(B, HK, -1, D)
       counts, keys, centre, radius = map(
         np.asarray, (idx.count, idx.keys, idx.centre, idx.radius)
+      )
+      # The stored value norms are core.value_norms of the stored values
+      # (0 in empty slots), whether built or appended.
+      np.testing.assert_array_equal(
+        idx.value_norms, core.value_norms(idx.values)
       )
       for b in range(B):
         got = pos[b, 0][pos[b, 0] >= 0]
@@ -580,6 +586,27 @@ class IndexAuditTest(parameterized.TestCase):
     s = _ld_logits(q[:1], k[:1], 1 / np.sqrt(D))[:, 13]
     want = (s == -np.inf) & bool(np.asarray(sel.keep)[0, 0, 0, 13])
     np.testing.assert_array_equal(sel.certificate.valid[0, 0], want)
+
+  @parameterized.named_parameters(("nan", np.nan), ("inf", np.inf))
+  def test_non_finite_value_makes_the_full_row_invalid(self, bad):
+    # The full-row path reads the value norms stored at build and append:
+    # a broken value, built or appended, still invalidates the rows of
+    # its kv head (batch row 0), and only those.
+    rng = np.random.default_rng(2)
+    k = rng.normal(size=(B, N, HK, D)).astype(np.float32)
+    v = rng.normal(size=(B, N, HK, DV)).astype(np.float32)
+    v[0, 30, 0, 1] = bad  # an appended position of ``grown``
+    q = rng.normal(size=(B, 1, H, D)).astype(np.float32)
+    built = _index(k, v, None, jnp.float32)
+    grown = _index(k, v, jnp.array([21, 21]), jnp.float32)
+    grown = grown.append(k[:, 21:33], v[:, 21:33])
+    grown = grown.append(k[:, 33:], v[:, 33:])
+    for idx in (built, grown):
+      self.assertTrue(np.isnan(np.asarray(idx.value_norms[0, 0])).any())
+      for policy in (jaxtopk.Dense(), jaxtopk.Certified(0.05, "exact")):
+        _, cert = jaxtopk.decode_attention(q, idx, policy=policy)
+        np.testing.assert_array_equal(cert.valid[0], False)
+        np.testing.assert_array_equal(cert.valid[1], True)
 
   def test_positions_checked_before_the_int32_cast(self):
     # An int64 position 2**32 + 1 wrapped to 1 and was certified as kept:
