@@ -25,8 +25,9 @@ the ``[b, h, n]`` logits and the kept values only:
    certificate);
 5. the exact threshold among the candidates (``threshold.topk_threshold``
    or ``budget_threshold`` with the mass below lo as extra), the kept keys
-   compacted, their values gathered (never a pass over all values), and the
-   certificate of kept + dropped candidates + keys below lo.
+   compacted, their values gathered (a dense value product instead where a
+   row keeps more than the gather capacity), and the certificate of kept +
+   dropped candidates + keys below lo.
 
 When a row has more candidates than the capacity (flat rows, ties, no
 bracket), the whole batch takes the exact full-row path (``lax.cond``; under
@@ -446,18 +447,45 @@ def _compact_ge(st: _Step, lo, cap, group):
   return threshold.mask_indices(ge, cap, group=group)
 
 
-def _finish_candidates(st: _Step, c: _Candidates, kept, capacity, **kw):
+def _finish_candidates(
+  st: _Step, c: _Candidates, kept, capacity, *, may_exceed=False, **kw
+):
   """Certificate and output of ``kept`` ``[b, hk, g, cap]`` candidates
-  (``kw``: ``_finish``'s)."""
-  kidx, kok, _ = threshold.mask_indices(kept, capacity, strided=False)
-  pos = jnp.take_along_axis(c.idx, kidx, -1)  # [b, hk, g, K] positions
-  vals = _gather_values(st.cache.values, pos)  # [b, hk, g, K, dv]
+  (``kw``: ``_finish``'s).
+
+  The kept values are gathered when every row keeps <= ``capacity`` keys.
+  With ``may_exceed`` (static: a kept set not capped by ``capacity``), a
+  batch where some row keeps more puts the weights back at their positions
+  for the dense value product instead: the certificate, from the
+  candidates, is the same either way (before, such a batch redid the whole
+  row: 1.7x the dense decode with 4 query rows per kv head,
+  docs/performance.md).
+  """
+  kidx, kok, kcount = threshold.mask_indices(kept, capacity, strided=False)
+  n = st.s.shape[-1]
 
   def value_fn(p):  # p: [b, hk, g, cap] normalised kept weights
-    pk = jnp.where(kok, jnp.take_along_axis(p, kidx, -1), 0.0)
-    return jnp.einsum(
-      "bkgt,bkgtd->bkgd", pk, vals.astype(p.dtype), precision=_HIGHEST
-    )
+    def gathered():
+      pos = jnp.take_along_axis(c.idx, kidx, -1)  # [b, hk, g, K] positions
+      vals = _gather_values(st.cache.values, pos)  # [b, hk, g, K, dv]
+      pk = jnp.where(kok, jnp.take_along_axis(p, kidx, -1), 0.0)
+      return jnp.einsum(
+        "bkgt,bkgtd->bkgd", pk, vals.astype(p.dtype), precision=_HIGHEST
+      )
+
+    def dense():  # unused slots (and dropped candidates) weigh 0
+      pos = jnp.where(c.ok & kept, c.idx, n)  # out of range: dropped
+      full = jnp.zeros((*p.shape[:-1], n), p.dtype)
+      full = jnp.put_along_axis(
+        full, pos, jnp.where(kept, p, 0.0), -1, inplace=False, mode="drop"
+      )
+      return _dense_values(full, st.cache.values)
+
+    if capacity >= n:
+      return dense()
+    if not may_exceed:
+      return gathered()
+    return lax.cond(jnp.all(kcount <= capacity), gathered, dense)
 
   head = core.PartialSoftmax.from_logits(
     c.s,
@@ -624,32 +652,38 @@ def _certified_exact(policy: Certified, st: _Step):
   tops = jnp.concatenate([bmax, _second_max(st.s, real, bmax, group)], -1)
   lo = _budget_bracket(tops, m, z, log_frac, n)
 
-  # The candidate path runs unconditionally (its result is discarded where
-  # it does not hold): computed inside a lax.cond branch it cost ~0.6x the
-  # floor more at n = 131,072 (XLA:CPU fuses nothing across a branch);
-  # one cond at the end picks the full-row path when needed.
+  # The compaction and the pass over the keys below lo run unconditionally
+  # (inside a lax.cond branch, with the rest of the candidate path, they
+  # cost ~0.6x the floor more at n = 131,072: XLA:CPU fuses nothing across
+  # a branch); the thresholds and values of the candidates only where they
+  # fit (4 query rows per kv head at n = 65,536: an overflowing batch 92 ->
+  # 78-82 ms, dense 54-57); one cond at the end picks the full-row path.
   compact = _compact_ge(st, lo, cap, group)
   c = _candidates(st, lo, compact, group, _row_ok(bmax))
-  below = c.below.tail_m + jnp.log(c.below.tail_sum)  # log mass < lo
-  t = threshold.budget_threshold(
-    c.s, log_frac, c.ok, relative=True, log_extra=below
-  )
-  keep = c.ok & (c.s >= t[..., None])
-  keep = capped(c.s, c.ok, keep, jnp.sum(keep, -1, dtype=jnp.int32))
-  n_keep = jnp.sum(keep, -1, dtype=jnp.int32)
-  result = _finish_candidates(st, c, keep, capacity)
-  cert = result[1]
-  holds = (
-    jnp.all(lo > -jnp.inf)
-    & jnp.all(compact[2] <= cap)
-    & jnp.all(n_keep <= capacity)
-  )
-  # Safety net: a row that the bracket certified but whose finished bound
-  # exceeds eps (float rounding beyond the margins) is redone in full.
-  over = cert.valid & (cert.tv_bound > policy.eps) & (st.delta < jnp.inf)
-  if m_top is not None:
-    over = over & (cert.k_kept < m_top)
-  return lax.cond(holds & ~jnp.any(over), lambda: result, full)
+  holds = jnp.all(lo > -jnp.inf) & jnp.all(compact[2] <= cap)
+
+  def candidates():
+    below = c.below.tail_m + jnp.log(c.below.tail_sum)  # log mass < lo
+    t = threshold.budget_threshold(
+      c.s, log_frac, c.ok, relative=True, log_extra=below
+    )
+    keep = c.ok & (c.s >= t[..., None])
+    keep = capped(c.s, c.ok, keep, jnp.sum(keep, -1, dtype=jnp.int32))
+    result = _finish_candidates(st, c, keep, capacity, may_exceed=m_top is None)
+    cert = result[1]
+    # Safety net: a row that the bracket certified but whose finished
+    # bound exceeds eps (float rounding beyond the margins) is redone in
+    # full.
+    over = cert.valid & (cert.tv_bound > policy.eps) & (st.delta < jnp.inf)
+    if m_top is not None:
+      over = over & (cert.k_kept < m_top)
+    return result, ~jnp.any(over)
+
+  def overflow():
+    return jax.tree.map(jnp.zeros_like, jax.eval_shape(candidates))
+
+  result, ok = lax.cond(holds, candidates, overflow)
+  return lax.cond(ok, lambda: result, full)
 
 
 # ----------------------------------------------------------- delta / mc

@@ -1,5 +1,6 @@
 """KVCache and decode_attention: summaries, agreement with topk_attention."""
 
+import dataclasses
 from unittest import mock
 
 import jax
@@ -193,6 +194,41 @@ class DecodeTest(parameterized.TestCase):
     np.testing.assert_allclose(out, ref, **tol(jnp.float32))
     np.testing.assert_array_equal(cert.k_kept, rcert.k_kept)
     np.testing.assert_allclose(cert.tv_bound, rcert.tv_bound, rtol=1e-4)
+
+  def test_candidates_keeping_more_than_the_gather_capacity(self):
+    # 60 near-equal large logits, the rest far below: the candidates fit
+    # (<= 2 N / 32 + 16) but the kept set exceeds the gather capacity (N /
+    # 32 = 32 keys). The candidate path then takes the dense value product;
+    # the full-row path is poisoned here, so a fallback to it would show.
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 1, 1, D)).astype(np.float32)
+    u = q[0, 0, 0] / np.linalg.norm(q)
+    k = rng.standard_normal((1, N, 1, D)) * 0.01 - 10 * u
+    k[0, ::17, 0] = 10 * u + 0.01 * rng.standard_normal((N // 17 + 1, D))
+    v = rng.standard_normal((1, N, 1, DV))
+    k, v = k.astype(np.float32), v.astype(np.float32)
+    cache = jaxtopk.KVCache.create(1, N, 1, D, block_size=BS, value_dim=DV)
+    cache = cache.append(k, v)
+    orig = _decode._full_row
+
+    def poisoned(st, keep, capacity):
+      part = orig(st, keep, capacity)
+      return dataclasses.replace(part, o=part.o * jnp.nan)
+
+    policy = jaxtopk.Certified(0.05, "exact")
+    with (
+      mock.patch.object(_decode, "CANDIDATE_MIN_KEYS", 0),
+      mock.patch.object(_decode, "_full_row", poisoned),
+    ):
+      out, cert = jaxtopk.decode_attention(q, cache, policy=policy)
+    self.assertGreater(int(cert.k_kept[0, 0, 0]), N // 32)
+    self.assertTrue(bool(cert.valid[0, 0, 0]))
+    self.assertLessEqual(float(cert.tv_bound[0, 0, 0]), 0.05)
+    s = (k[0, :, 0].astype(np.float64) @ q[0, 0, 0]) / np.sqrt(D)
+    p = np.exp(s - s.max())
+    dense = (p / p.sum()) @ v[0, :, 0].astype(np.float64)
+    gap = np.linalg.norm(np.asarray(out[0, 0, 0], np.float64) - dense)
+    self.assertLessEqual(gap, float(cert.output_error_bound[0, 0, 0]))
 
   def test_ties_in_candidate_path_sound(self):
     # Many identical keys: exact ties across sub-blocks and at the threshold.
