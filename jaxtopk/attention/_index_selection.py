@@ -65,6 +65,7 @@ def _selection_row(
   *,
   keys,
   values,
+  value_norms,
   scale,
   rounds,
   max_groups,
@@ -124,7 +125,7 @@ def _selection_row(
   )
   n_sel = jnp.sum(uniq, dtype=jnp.int32)
   n_pos = jnp.sum(uniq & (s > -jnp.inf), dtype=jnp.int32)  # of mass
-  head = core.max_norm(core.value_norms(vals), uniq)
+  head = core.max_norm(value_norms[gi, ci], uniq)
   return (
     out,
     log_tv,
@@ -170,6 +171,7 @@ def _selection(
     _selection_row,
     keys=keys,
     values=values,
+    value_norms=index.value_norms.reshape(-1, c_sz),
     scale=scale,
     rounds=rounds,
     max_groups=max_groups,
