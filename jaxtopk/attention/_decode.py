@@ -473,16 +473,12 @@ def _finish_candidates(
         "bkgt,bkgtd->bkgd", pk, vals.astype(p.dtype), precision=_HIGHEST
       )
 
-    def dense():  # unused slots (and dropped candidates) weigh 0
-      pos = jnp.where(c.ok & kept, c.idx, n)  # out of range: dropped
+    def dense():  # p is 0 off the kept slots; the others are dropped
+      pos = jnp.where(kept, c.idx, n)  # out of range: dropped
       full = jnp.zeros((*p.shape[:-1], n), p.dtype)
-      full = jnp.put_along_axis(
-        full, pos, jnp.where(kept, p, 0.0), -1, inplace=False, mode="drop"
-      )
+      full = jnp.put_along_axis(full, pos, p, -1, inplace=False, mode="drop")
       return _dense_values(full, st.cache.values)
 
-    if capacity >= n:
-      return dense()
     if not may_exceed:
       return gathered()
     return lax.cond(jnp.all(kcount <= capacity), gathered, dense)
