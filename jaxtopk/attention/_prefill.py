@@ -81,6 +81,7 @@ the whole call.
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -124,22 +125,41 @@ class BlockSizes:
       less work above the diagonal, more code to compile).
     first_round: blocks scored by a tile in the first round of the block
       search; each later round doubles the total.
+    scan_all_share: a block-search tile where every kv head has a row that
+      must score at least this share of the key blocks (a lower bound from
+      their box bounds) scores every key at once instead of in rounds (on
+      flat rows the rounds cost ~20% more for the same keys); above 1:
+      never.
   """
 
   block_q: int = 256
   max_bands: int = 8
   first_round: int = 4
+  scan_all_share: float = 0.75
 
   def __post_init__(self):
     for name in ("block_q", "max_bands", "first_round"):
       v = getattr(self, name)
       if not (isinstance(v, int) and v >= 1):
         raise ValueError(f"BlockSizes.{name}={v!r} must be an int >= 1")
+    v = self.scan_all_share
+    if not (isinstance(v, int | float) and v > 0 and math.isfinite(v)):
+      raise ValueError(
+        f"BlockSizes.scan_all_share={v!r} must be a finite number > 0"
+      )
 
   @classmethod
   def get_default(cls) -> "BlockSizes":
     return cls()
 
+
+# Default tiles of more than TILE_LOGITS logits (batch x heads x block_q x
+# kv_len) take MIN_WIDE_BLOCK_Q query rows: 2,048 queries over 32,768 keys,
+# 8 heads, 2 kv heads: Dense() 4.1 s with tiles of 128 rows against 4.4-5.0
+# with 256 (64: 4.6), Certified exact 5.6 s against 7.8; over 16,384 keys
+# 10% less with 128; at 4,096 keys x 4 heads no difference.
+TILE_LOGITS = 1 << 24
+MIN_WIDE_BLOCK_Q = 128
 
 # Block size of the key summaries behind the logit rounding bound when the
 # policy names none (Dense and fixed counts).
@@ -249,26 +269,32 @@ class _Plan:
     return self.sp // self.bs
 
 
-def _prepare(query, key, value, mask, bias, lens, plan, values_bound):
+def _prepare(
+  query, key, value, mask, bias, lens, plan, values_bound, kv, value_norms
+):
   """Head-major, padded arrays and per-key / per-block summaries.
 
-  ``lens`` is ``(q_lens, kv_lens)``, each None or ``[batch]`` int.
+  ``lens`` is ``(q_lens, kv_lens)``, each None or ``[batch]`` int; ``kv``
+  the keys' and values' layout ('bshd' or 'bhsd'); ``value_norms`` None or
+  the values' ``core.value_norms`` in that layout (without the head dim).
   """
   p = plan
   dt = core.compute_dtype(jnp.result_type(query.dtype, key.dtype))
   # Flush flags read the inputs' own bits (before any cast).
   q_fl = core.flushed(query)  # [b, t, h]
-  k_fl = core.flushed(key)  # [b, s, hk]
+  k_fl = core.flushed(key)  # [b, s, hk] (or [b, hk, s])
   q_nrm = core.norms_up(query)  # [b, t, h]
-  k_nrm = core.norms_up(key)  # [b, s, hk]
+  k_nrm = core.norms_up(key)
 
   def qmajor(x):  # [b, t, h, ...] -> [b, hk, g, tp, ...]
     x = x.reshape(p.b, p.t, p.hk, p.g, *x.shape[3:])
     x = jnp.moveaxis(x, 1, 3)
     return _pad_axis(x, 3, p.tp, 0)
 
-  def kmajor(x, fill=0):  # [b, s, hk, ...] -> [b, hk, sp, ...]
-    return _pad_axis(jnp.moveaxis(x, 1, 2), 2, p.sp, fill)
+  # [b, s, hk, ...] (or [b, hk, s, ...] given 'bhsd') -> [b, hk, sp, ...]
+  def kmajor(x, fill=0):
+    x = x if kv == "bhsd" else jnp.moveaxis(x, 1, 2)
+    return _pad_axis(x, 2, p.sp, fill)
 
   arr = dict(
     q=qmajor(query.astype(dt)),  # [b, hk, g, tp, d]
@@ -284,7 +310,9 @@ def _prepare(query, key, value, mask, bias, lens, plan, values_bound):
   arr["blk_kfl"] = jnp.any(kmajor(k_fl, False).reshape(p.b, p.hk, nb, bs), -1)
   arr["blk_kabs"] = core.max_nan(jnp.abs(sg(kb)), axis=3)  # [b, hk, nb, d]
   if values_bound:
-    vn = kmajor(core.value_norms(sg(value)))  # [b, hk, sp]; NaN = broken
+    if value_norms is None:
+      value_norms = core.value_norms(sg(value))
+    vn = kmajor(sg(value_norms))  # [b, hk, sp]; NaN = broken
     arr["vn"] = vn
     # A non-finite value of a key a row does not attend to must change
     # nothing (0 * inf is NaN in the weighted sum): zero it for the product.
@@ -296,7 +324,7 @@ def _prepare(query, key, value, mask, bias, lens, plan, values_bound):
     key_real = jnp.arange(p.sp) < p.s  # padding keys are not real
     box = theory.box_summary(sg(arr["k"]), block_size=bs, mask=key_real)
     arr["box"] = box
-  arr["q_lens"], arr["kv_lens"] = (
+  arr["q_lens"], arr["kv_lens"], arr["q_offset"] = (
     None if x is None else jnp.asarray(x).astype(jnp.int32) for x in lens
   )
   arr["mask"] = _to5(mask, p.b, p.hk, p.g)
@@ -315,29 +343,31 @@ def _key_range(c, q0):
 
   kv_len, ``is_causal``, ``local_window_size`` and the sequence lengths all
   cut a row's keys to one interval; a key outside it is not a real key (as
-  if masked). A row at or past its query length sees none.
+  if masked). A row at or past its query length sees none. Row i of
+  sequence b sits at key position ``i + q_offset[b]`` (``i`` without an
+  offset).
 
   Returns:
     ``(lo, hi)``, int32 ``[b|1, 1, 1, bq]``.
   """
   p = c.p
-  qpos = q0 + jnp.arange(p.bq, dtype=jnp.int32)  # [bq]
-  lo = jnp.zeros((p.bq,), jnp.int32)
-  hi = jnp.full((p.bq,), p.s, jnp.int32)
+  row = (q0 + jnp.arange(p.bq, dtype=jnp.int32)).reshape(1, 1, 1, p.bq)
+  qpos = row
+  if c.arr["q_offset"] is not None:  # offset <= s - t: no overflow
+    qpos = row + c.arr["q_offset"].reshape(p.b, 1, 1, 1)
+  lo = jnp.zeros_like(qpos)
+  hi = jnp.full_like(qpos, p.s)
   if p.causal:
     hi = jnp.minimum(hi, qpos + 1)
   if p.window is not None:
     left, right = p.window  # clipped to the sequence lengths: no overflow
     lo = jnp.maximum(lo, qpos - left)
     hi = jnp.minimum(hi, qpos + right + 1)
-  lo = lo.reshape(1, 1, 1, p.bq)
-  hi = hi.reshape(1, 1, 1, p.bq)
   kv_lens, q_lens = c.arr["kv_lens"], c.arr["q_lens"]
   if kv_lens is not None:
     hi = jnp.minimum(hi, kv_lens.reshape(p.b, 1, 1, 1))
   if q_lens is not None:
-    past = qpos.reshape(1, 1, 1, p.bq) >= q_lens.reshape(p.b, 1, 1, 1)
-    hi = jnp.where(past, lo, hi)
+    hi = jnp.where(row >= q_lens.reshape(p.b, 1, 1, 1), lo, hi)
   return lo, jnp.maximum(hi, lo)
 
 
@@ -422,6 +452,7 @@ class _Ctx:
   values_bound: bool
   return_keep: bool
   first_round: int
+  scan_all_share: float
 
 
 def _tile_rows(c, i):
@@ -467,8 +498,11 @@ def _scan_all_tile(c, length, i):
   )  # [b, hk, g, bq]
   sgs = jax.lax.stop_gradient(s)
   pos = real & (sgs > -jnp.inf)
+  # The search's count of terms where a search tile runs this (its
+  # certificate's margin)
+  n_keys = p.sp + p.nb if p.kind == "search" else p.s
   keep = internal.keep_mask(
-    sgs, c.policy, pos, logit_error=delta, n_keys=p.s, coarse=True
+    sgs, c.policy, pos, logit_error=delta, n_keys=n_keys, coarse=True
   )
   vn = arr["vn"][:, :, None, None, :length] if c.values_bound else None
   part = core.PartialSoftmax.from_logits(
@@ -534,6 +568,9 @@ def _search_tile(c, i):
     bad = jnp.isnan(arr["blk_vn"])[:, :, None, None, :]
     log_mass = jnp.where(bad, jnp.inf, log_mass)
   log_mass = jnp.where(vis_blk, log_mass, -jnp.inf)  # [b, hk, g, bq, nb]
+  # THEORY 6.4: each row reads the boxes of the blocks it sees (2 keys'
+  # bytes each) to bound them.
+  n_box = 2 * jnp.sum(vis_blk, -1, dtype=jnp.int32)
 
   n_terms = p.sp + nb
   target = jnp.log(jnp.asarray(policy.eps, dt)) - core.search_log_margin(
@@ -612,9 +649,6 @@ def _search_tile(c, i):
     )
     unscored = vis_blk & ~scored_blk[:, :, None, None, :]
     part = part.add_tail(log_mass, unscored, norms=norms)
-    # THEORY 6.4: each row read the boxes of the blocks it sees (2 keys'
-    # bytes each) to bound them.
-    n_box = 2 * jnp.sum(vis_blk, -1, dtype=jnp.int32)
     part = dataclasses.replace(part, keys_scored=part.keys_scored + n_box)
     full = None
     if c.return_keep:
@@ -666,8 +700,45 @@ def _search_tile(c, i):
       lse_s,
     )
 
+  def scan_all():
+    part, full = _scan_all_tile(c, p.s, i)
+    part = dataclasses.replace(part, keys_scored=part.keys_scored + n_box)
+    return part, full
+
   lse0 = jnp.full(lead, -jnp.inf, dt)
-  return run(0, [], jnp.zeros((p.b, p.hk, nb), bool), lse0)
+  return lax.cond(
+    _flat(log_mass, policy.eps, c.scan_all_share * nb),
+    scan_all,
+    lambda: run(0, [], jnp.zeros((p.b, p.hk, nb), bool), lse0),
+  )
+
+
+def _flat(log_mass, eps, most):
+  """Whether every kv head has a row whose search must score at least
+  ``most`` blocks: then one product over every key costs less than the
+  rounds.
+
+  A row's search stops only once its unscored blocks' bound U_rest is at
+  most eps (Z_S + U_rest) <= eps U (Z_S, the scored mass, is at most the
+  bound of the scored blocks; U the bound of all), so it scores bounds worth
+  T = (1 - eps) U. With the bounds u_j relative to the largest (each <= 1)
+  that is at least T blocks; and for tau < 1, where the c blocks with u_j
+  >= tau sum to B < T, more than c blocks, each other one adding < tau:
+  at least c + (T - B) / tau.
+  """
+  top = jnp.max(log_mass, -1, keepdims=True)  # [b, hk, g, bq, 1]
+  u = jnp.exp(log_mass - jnp.where(jnp.isfinite(top), top, 0.0))
+  target = (1 - eps) * jnp.sum(u, -1)
+  need = target  # each block's bound is at most 1
+  for tau in (0.5, 0.25, 0.125, 0.0625):
+    high = u >= tau
+    b_high = jnp.sum(jnp.where(high, u, 0.0), -1)
+    c = jnp.sum(high, -1).astype(u.dtype)
+    need = jnp.maximum(
+      need, jnp.where(target > b_high, c + (target - b_high) / tau, 0.0)
+    )
+  need = jnp.where(jnp.isfinite(top[..., 0]), need, 0.0)
+  return jnp.all(jnp.max(need, (2, 3)) >= most)
 
 
 def _bias_blocks(p, bias_t, rng, mask_t, vis_blk):
@@ -729,6 +800,9 @@ def blockwise_attention(
   block_sizes=None,
   return_lse=False,
   return_keep=False,
+  q_offset=None,
+  kv_layout="bshd",
+  value_norms=None,
 ):
   """Blockwise Top-k attention (see the module docstring); arguments checked.
 
@@ -754,6 +828,14 @@ def blockwise_attention(
       compute dtype; ``core.finite_log`` on a row that keeps no key.
     return_keep: also return the kept set ``[batch, num_heads, q_len,
       kv_len]`` (tests and analysis only: it is the size of the logits).
+    q_offset: None or ``[batch]`` int: query row i of sequence b sits at
+      key position ``i + q_offset[b]`` (causal and the window are relative
+      to it; a row at a negative position sees no key); at most ``kv_len -
+      q_len`` (a cache's newest steps: ``length - q_len``).
+    kv_layout: 'bshd' (the jax.nn layout above) or 'bhsd' (keys and values
+      ``[batch, num_kv_heads, kv_len, head_dim]``, a KVCache's).
+    value_norms: None or the values' ``core.value_norms`` in their layout
+      without the last axis (a cache's stored norms), else computed.
 
   Returns:
     ``(output, certificate, lse, keep)``: output ``[batch, q_len, num_heads,
@@ -762,12 +844,16 @@ def blockwise_attention(
   """
   bsz = block_sizes or BlockSizes.get_default()
   b, t, h, d = query.shape
-  s, hk = key.shape[1], key.shape[2]
-  kind = kind_of(policy, key.shape[1])
+  s, hk = (
+    (key.shape[2], key.shape[1]) if kv_layout == "bhsd" else key.shape[1:3]
+  )
+  kind = kind_of(policy, s)
   bs = policy.block_size if kind == "search" else min(_SUMMARY_BLOCK, s)
   bq = min(bsz.block_q, t)
+  if block_sizes is None and b * h * bq * s > TILE_LOGITS:
+    bq = min(bq, MIN_WIDE_BLOCK_Q)
   if window is not None:  # beyond the sequences a window changes nothing
-    window = (min(window[0], t), min(window[1], s))
+    window = (min(window[0], t if q_offset is None else s), min(window[1], s))
   plan = _Plan(
     b=b,
     t=t,
@@ -775,7 +861,7 @@ def blockwise_attention(
     hk=hk,
     g=h // hk,
     d=d,
-    dv=value.shape[3],
+    dv=value.shape[-1],
     s=s,
     bq=bq,
     tp=_cdiv(t, bq) * bq,
@@ -785,8 +871,19 @@ def blockwise_attention(
     window=window,
     kind=kind,
   )
-  lens = (q_lens, kv_lens)
-  arr, dt = _prepare(query, key, value, mask, bias, lens, plan, values_bound)
+  lens = (q_lens, kv_lens, q_offset)
+  arr, dt = _prepare(
+    query,
+    key,
+    value,
+    mask,
+    bias,
+    lens,
+    plan,
+    values_bound,
+    kv_layout,
+    value_norms,
+  )
   ctx = _Ctx(
     p=plan,
     arr=arr,
@@ -796,6 +893,7 @@ def blockwise_attention(
     values_bound=values_bound,
     return_keep=return_keep,
     first_round=bsz.first_round,
+    scan_all_share=bsz.scan_all_share,
   )
   n_terms = plan.sp + plan.nb if kind == "search" else s
 
@@ -819,11 +917,18 @@ def blockwise_attention(
     groups = [((0, plan.nt), functools.partial(_search_tile, ctx))]
   else:
     # A band's last row sees keys below i1 bq (causal) or i1 bq + right
-    # (a window); without either every row may see every key.
+    # (a window), shifted by the largest offset, s - t; without either
+    # every row may see every key.
     reach = 0 if plan.causal else None
     if window is not None:
       reach = window[1] if reach is None else min(reach, window[1])
-    ranges = [(0, plan.nt)] if reach is None else _bands(plan.nt, bsz.max_bands)
+    if reach is not None and q_offset is not None:
+      reach += s - t
+    # Bands pay where the rows see few keys above the first band's; a
+    # chunk of the newest t <= s / 4 steps wastes at most t / 2 of s keys
+    # per row in one band, and compiles one tile program instead of eight.
+    one = reach is None or (q_offset is not None and 4 * t <= s)
+    ranges = [(0, plan.nt)] if one else _bands(plan.nt, bsz.max_bands)
 
     def length(i1):
       return s if reach is None else min(s, i1 * bq + reach)

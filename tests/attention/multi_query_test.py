@@ -1,7 +1,9 @@
 """Multi-query decode (q_len > 1 steps over a cache), the log-sum-exp
 residual and merge_attention, against float64 truth per row."""
 
+import contextlib
 import dataclasses
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ from absl.testing import parameterized
 from scipy.special import logsumexp
 
 import jaxtopk
+from jaxtopk.attention import _decode
 from jaxtopk.attention import registry
 from tests.theory import truth
 
@@ -18,6 +21,11 @@ B, HK, H, D, N, BS = 2, 1, 2, 4, 64, 16
 LENGTHS = (40, 2)  # row 1: its first step falls before the first key
 Q_LEN = 3
 SCALE = 1 / np.sqrt(D)
+# A chunk of the newest steps (the blockwise prefill's route for Certified;
+# the other kinds take it from more steps, lowered here by ``_every_kind``);
+# sequence 1's first 12 steps fall before its first key.
+CHUNK = _decode.CHUNK_MIN_STEPS["certified"]
+CHUNK_LENGTHS = (50, 20)
 TINY = float(np.finfo(np.float32).tiny)
 LOG0 = float(np.finfo(np.float32).min)
 
@@ -32,16 +40,29 @@ POLICIES = (
 )
 
 
-def _data(seed=0, lengths=LENGTHS):
-  """(query [B, Q_LEN, H, D], keys [B, N, HK, D], cache): the values are
+def _data(seed=0, lengths=LENGTHS, q_len=Q_LEN):
+  """(query [B, q_len, H, D], keys [B, N, HK, D], cache): the values are
   one-hot positions (value_dim = N), so an output row is its weights."""
   rng = np.random.default_rng(seed)
   k = np.float32(2 * rng.normal(size=(B, N, HK, D)))
-  q = np.float32(rng.normal(size=(B, Q_LEN, H, D)))
+  q = np.float32(rng.normal(size=(B, q_len, H, D)))
   eye = jnp.broadcast_to(jnp.eye(N)[None, :, None, :], (B, N, HK, N))
   cache = jaxtopk.KVCache.create(B, N, HK, D, block_size=BS, value_dim=N)
   cache = cache.append(k, eye, num_steps=jnp.array(lengths))
   return q, k, cache
+
+
+@contextlib.contextmanager
+def _every_kind():
+  """Every kind of policy takes the chunk route from CHUNK steps (traced
+  afresh: the route is chosen when the decode is traced)."""
+  lowered = dict.fromkeys(_decode.CHUNK_MIN_STEPS, CHUNK)
+  with mock.patch.dict(_decode.CHUNK_MIN_STEPS, lowered):
+    _decode._xla_decode.clear_cache()
+    try:
+      yield
+    finally:
+      _decode._xla_decode.clear_cache()
 
 
 def _logits(q, k, b, i, h, limit):
@@ -76,16 +97,66 @@ class MultiQueryTest(parameterized.TestCase):
     )
     self._check_rows(policy, q, k, *result)
 
-  def _check_rows(self, policy, q, k, out, lse, cert):
+  @parameterized.parameters(
+    *POLICIES,
+    jaxtopk.Dense(),
+    jaxtopk.Certified(0.05),
+    jaxtopk.Certified(0.05, "exact"),
+  )
+  def test_chunk_rows_against_float64(self, policy):
+    # CHUNK_MIN_STEPS steps or more: the blockwise prefill with the causal
+    # offset (MC-Search, which it refuses, stays on the folded rows).
+    q, k, cache = _data(4, CHUNK_LENGTHS, CHUNK)
+    with _every_kind():
+      result = jaxtopk.decode_attention(
+        q, cache, policy=policy, rng=jax.random.key(0), return_residual=True
+      )
+    self._check_rows(policy, q, k, *result, CHUNK_LENGTHS, CHUNK)
+
+  def test_chunk_takes_the_blockwise_prefill(self):
+    q, _, cache = _data(5, CHUNK_LENGTHS, CHUNK + 1)  # a shape not compiled
+    with mock.patch.object(_decode, "_step", side_effect=AssertionError):
+      jaxtopk.decode_attention(q, cache, policy=jaxtopk.Certified(0.05))
+      with _every_kind():
+        jaxtopk.decode_attention(q, cache, policy=jaxtopk.FixedK(3))
+
+  def test_chunk_equals_one_shot_prefill(self):
+    # The newest CHUNK steps over the cache are the last CHUNK rows of a
+    # causal prefill of each whole sequence.
+    q_all, k, cache = _data(6, CHUNK_LENGTHS, N)
+    eye = np.eye(N, dtype=np.float32)[None, :, None, :]
+    for policy in (jaxtopk.Dense(), jaxtopk.FixedK(3)):
+      for b, length in enumerate(CHUNK_LENGTHS):
+        whole = jaxtopk.topk_attention(
+          q_all[b : b + 1, :length],
+          k[b : b + 1, :length],
+          eye[:, :length],
+          policy=policy,
+          is_causal=True,
+        )[0]
+        q = np.zeros((B, CHUNK, H, D), np.float32)
+        first = max(length - CHUNK, 0)
+        q[b, CHUNK - (length - first) :] = q_all[b, first:length]
+        with _every_kind():
+          out = jaxtopk.decode_attention(q, cache, policy=policy)[0]
+        np.testing.assert_allclose(
+          out[b, CHUNK - (length - first) :],
+          whole[0, first:],
+          atol=1e-6,
+        )
+
+  def _check_rows(
+    self, policy, q, k, out, lse, cert, lengths=LENGTHS, q_len=Q_LEN
+  ):
     """Every row against its float64 truth (one-hot values: an output row
     is its weights, so its kept set is where it is positive)."""
-    self.assertEqual(out.shape, (B, Q_LEN, H, N))
-    self.assertEqual(lse.shape, (B, Q_LEN, H))
+    self.assertEqual(out.shape, (B, q_len, H, N))
+    self.assertEqual(lse.shape, (B, q_len, H))
     self.assertEqual(lse.dtype, jnp.float32)
-    self.assertEqual(cert.shape, (B, Q_LEN, H))
+    self.assertEqual(cert.shape, (B, q_len, H))
     for b in range(B):
-      for i in range(Q_LEN):
-        limit = LENGTHS[b] - Q_LEN + 1 + i  # positions <= its own
+      for i in range(q_len):
+        limit = lengths[b] - q_len + 1 + i  # positions <= its own
         for h in range(H):
           o = truth.as64(out[b, i, h])
           c = jax.tree.map(lambda x, b=b, i=i, h=h: x[b, i, h], cert)

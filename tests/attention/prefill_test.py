@@ -34,6 +34,11 @@ _CI_EXAMPLES = (
 # 7 rows: four tiles of 2, so two causal bands (a band holds >= 2 tiles).
 T, S, H, HKV, D = 7, 13, 2, 1, 3  # query rows, keys, heads, kv heads, dim
 SMALL = _prefill.BlockSizes(block_q=2, max_bands=2, first_round=1)
+# The block search's rounds even where its tile looks flat (SMALL: flat
+# tiles score every key at once).
+ROUNDS = _prefill.BlockSizes(
+  block_q=2, max_bands=2, first_round=1, scan_all_share=2.0
+)
 
 # Magnitudes from subnormal to near overflow (XLA CPU flushes subnormals).
 _vals = st.one_of(
@@ -44,11 +49,15 @@ _vals = st.one_of(
 )
 
 # (Dense and fixed counts share the scan-all engine of Certified(0.05).)
+# Policy and tiling.
 POLICIES = (
-  jaxtopk.Certified(0.05),
-  jaxtopk.Certified(0.2, jaxtopk.DeltaSearch(block_size=3)),
-  jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(block_size=3), max_topk=3),
-  jaxtopk.Certified(0.1, dense_above=0.5),
+  (jaxtopk.Certified(0.05), SMALL),
+  (jaxtopk.Certified(0.2, jaxtopk.DeltaSearch(block_size=3)), SMALL),
+  (
+    jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(block_size=3), max_topk=3),
+    ROUNDS,
+  ),
+  (jaxtopk.Certified(0.1, dense_above=0.5), SMALL),
 )
 
 
@@ -77,7 +86,7 @@ class BlockwiseSoundnessTest(parameterized.TestCase):
   @pytest.mark.slow
   def test_sound_vs_float64(self, q, k, mask, ninf, which, causal, half):
     # One compile per (policy, causal, dtype): 4 x 2 x 2 = 16 in all.
-    policy = POLICIES[which]
+    policy, tiling = POLICIES[which]
     if half is not None:
       q, k = (np.asarray(jnp.asarray(x, half)) for x in (q, k))
     q, k = jnp.asarray(q), jnp.asarray(k)
@@ -91,7 +100,7 @@ class BlockwiseSoundnessTest(parameterized.TestCase):
       mask=mask,
       bias=bias,
       is_causal=causal,
-      block_sizes=SMALL,
+      block_sizes=tiling,
     )
     real = np.broadcast_to(mask[0], (H, T, S))
     if causal:
@@ -166,6 +175,26 @@ class BlockwiseBehaviourTest(parameterized.TestCase):
     )
     np.testing.assert_array_equal(np.nonzero(keep[0, 0, 4])[0], [0, 3, 6])
     self.assertEqual(int(cert.k_kept[0, 4, 0]), 3)
+
+  def test_flat_tiles_need_at_least_the_sorted_count(self):
+    # _flat's count is a lower bound on the blocks a row's search scores:
+    # the fewest blocks whose bounds add up to (1 - eps) of all.
+    rng = np.random.default_rng(0)
+    eps = 0.05
+    for spread in (0.1, 1.0, 3.0, 10.0):
+      log_mass = spread * rng.normal(size=(2, 3, 2, 5, 40))
+      log_mass[0, 0, 0, 0, 7] = -np.inf  # a block the row does not see
+      u = np.exp(log_mass - log_mass.max(-1, keepdims=True))
+      c = np.cumsum(-np.sort(-u, -1), -1)
+      fewest = np.sum(c < (1 - eps) * c[..., -1:], -1) + 1
+      most = float(fewest.max())
+      lm = jnp.asarray(log_mass, jnp.float32)
+      self.assertFalse(bool(_prefill._flat(lm, eps, most + 1)), spread)
+      self.assertEqual(
+        bool(_prefill._flat(lm, eps, 1.0)), True, spread
+      )  # every row needs a block
+    flat = jnp.zeros((1, 2, 2, 4, 40))  # equal bounds: 38 of 40 needed
+    self.assertTrue(bool(_prefill._flat(flat, eps, 0.9 * 40)))
 
   def test_delta_search_skips_blocks_of_a_peaked_row(self):
     # Keys in 16 topic blocks of 4; every query seeks topic 1: Delta-Search
