@@ -27,6 +27,14 @@ pages; ``Certified(eps)`` itself may choose differently per layout, as
 dense costs more over pages), the machine and the load;
 ``metrics.jsonl`` one row per workload; ``ratios.png``.
 
+Part ``chunk``: one prefill chunk of ``config.chunk`` query steps at the
+end of a ``KVCache`` of ``config.chunk_keys`` keys (batch 1; the steps
+attend causally), per workload (the topic queries each aim at a random
+page): ``jax.nn.dot_product_attention`` with the chunk's causal mask over
+the same keys, and ``decode_attention`` with Dense(), Certified(eps) and
+Certified(eps, Exact()); ratios to Dense() and to jax.nn (``chunk.png``),
+the certificates' kept and scored fractions.
+
 Part ``generate``: ``jaxtopk.models.serve`` (continuous batching: chunked
 prefill into a paged cache per layer, greedy decode steps, finished
 requests released and their pages reused) on a random ``TopKDecoder``,
@@ -55,17 +63,20 @@ from jaxtopk import models
 NAME = "bench_serving"
 VARIANTS = ("floor", "gather", "dense_paged", "cert_paged", "dense_flat",
             "cert_flat")  # fmt: skip
+CHUNK_VARIANTS = ("jax_nn", "dense", "cert", "cert_exact")
 
 
-def _workload(name, seed, lengths, heads, kv_heads, head_dim, page_size):
-  """Keys, values ``[b, n_max, hk, d]`` and queries ``[b, 1, h, d]``."""
+def _workload(
+  name, seed, lengths, heads, kv_heads, head_dim, page_size, q_len=1
+):
+  """Keys, values ``[b, n_max, hk, d]`` and queries ``[b, q_len, h, d]``."""
   b, n = len(lengths), max(lengths)
   kk, kv, kq, kc, kt = jax.random.split(jax.random.key(seed), 5)
   shape = (b, n, kv_heads, head_dim)
   v = jax.random.normal(kv, shape)
   if name == "flat":
     k = jax.random.normal(kk, shape)
-    q = jax.random.normal(kq, (b, 1, heads, head_dim))
+    q = jax.random.normal(kq, (b, q_len, heads, head_dim))
     return k, v, q
   if name != "topic":
     raise ValueError(f"unknown workload {name!r}; use 'flat' or 'topic'")
@@ -74,12 +85,13 @@ def _workload(name, seed, lengths, heads, kv_heads, head_dim, page_size):
   k = jnp.repeat(centre, page_size, axis=1)[:, :n]
   k = k + 0.2 * jax.random.normal(kk, shape)
   held = jnp.asarray([-(-m // page_size) for m in lengths])  # [b]
-  target = jax.random.randint(kt, (b, heads), 0, 1 << 30) % held[:, None]
+  target = jax.random.randint(kt, (b, q_len, heads), 0, 1 << 30)
+  target = target % held[:, None, None]
   group = heads // kv_heads
   hk = jnp.arange(heads) // group  # [h]
-  aim = centre[jnp.arange(b)[:, None], target, hk[None, :]]  # [b, h, d]
+  aim = centre[jnp.arange(b)[:, None, None], target, hk]  # [b, q_len, h, d]
   q = 4.0 * aim + 0.3 * jax.random.normal(kq, aim.shape)
-  return k, v, q[:, None]
+  return k, v, q
 
 
 def bench(workload, config):
@@ -166,6 +178,60 @@ def bench(workload, config):
   return res
 
 
+def chunk(workload, config):
+  """One prefill chunk of ``config.chunk`` steps at the end of a cache of
+  ``config.chunk_keys`` keys (batch 1): a dict."""
+  n, t = config.chunk_keys, config.chunk
+  hk, d, ps = config.kv_heads, config.head_dim, config.page_size
+  k, v, q = _workload(
+    workload, config.seed, [n], config.heads, hk, d, ps, q_len=t
+  )
+  cache = jaxtopk.KVCache.create(1, n, hk, d, block_size=ps).append(k, v)
+  # The chunk's causal mask over the same keys, for jax.nn.
+  pos = jnp.arange(n - t, n)[:, None]
+  mask = (jnp.arange(n)[None, :] <= pos)[None, None]  # [1, 1, t, n]
+  jax_nn = jax.jit(
+    lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask)
+  )
+
+  def attend(policy):
+    return jax.jit(lambda q, c: jaxtopk.decode_attention(q, c, policy=policy))
+
+  policies = dict(
+    dense=jaxtopk.Dense(),
+    cert=jaxtopk.Certified(config.eps, jaxtopk.Auto(block_size=ps)),
+    cert_exact=jaxtopk.Certified(config.eps, jaxtopk.Exact(block_size=ps)),
+  )
+  fns = {name: attend(p) for name, p in policies.items()}
+  res = dict(workload=workload, keys=n, chunk=t, heads=config.heads,
+             kv_heads=hk, head_dim=d)  # fmt: skip
+  res.update(
+    _common.time_round_robin(
+      dict(
+        jax_nn=(jax_nn, (q, k, v)),
+        **{name: (fn, (q, cache)) for name, fn in fns.items()},
+      ),
+      repeats=config.chunk_repeats,
+    )
+  )
+  want = jax_nn(q, k, v)
+  res["dense_max_abs_diff_vs_jax_nn"] = float(
+    jnp.max(jnp.abs(fns["dense"](q, cache)[0] - want))
+  )
+  del want
+  for name in ("cert", "cert_exact"):
+    _, c = fns[name](q, cache)
+    real = (n - t + 1 + jnp.arange(t)).astype(jnp.float32)[None, :, None]
+    res[f"{name}_kept_fraction_mean"] = float(jnp.mean(c.k_kept / real))
+    res[f"{name}_scored_fraction_mean"] = float(jnp.mean(c.keys_scored / real))
+    res[f"{name}_tv_bound_max"] = float(jnp.max(c.tv_bound))
+    res[f"{name}_valid"] = bool(jnp.all(c.valid))
+  for name in CHUNK_VARIANTS:
+    for base in ("dense", "jax_nn"):
+      res[f"{name}_over_{base}_min"] = res[name]["min_ms"] / res[base]["min_ms"]
+  return res
+
+
 def generate(config):
   """``serve`` of the same requests, dense then certified; a dict."""
   g = config.generate
@@ -224,16 +290,38 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
   meta = _common.machine_info()
   results = []
   parts = tuple(config.parts)
-  unknown = set(parts) - {"paged", "generate"}
+  unknown = set(parts) - {"paged", "chunk", "generate"}
   if unknown:
     raise ValueError(f"config.parts: unknown {sorted(unknown)}")
   workloads = config.workloads if "paged" in parts else ()
-  progress = _common.Progress(NAME, len(workloads) + ("generate" in parts))
+  chunk_loads = config.workloads if "chunk" in parts else ()
+  progress = _common.Progress(
+    NAME, len(workloads) + len(chunk_loads) + ("generate" in parts)
+  )
   for workload in workloads:
     r = bench(workload, config)
     wd.metrics.write("paged_decode", **r)
     results.append(r)
     progress.update(note=workload)
+  chunks = []
+  for workload in chunk_loads:
+    r = chunk(workload, config)
+    wd.metrics.write("chunk", **r)
+    chunks.append(r)
+    progress.update(note=f"chunk {workload}")
+  if chunks:
+    _common.bar_figure(
+      wd.path,
+      "chunk",
+      {
+        r["workload"]: {v: r[f"{v}_over_dense_min"] for v in CHUNK_VARIANTS}
+        for r in chunks
+      },
+      ylabel="time / Dense() over the cache (min)",
+      title=(
+        f"A {config.chunk}-step chunk onto {config.chunk_keys} cached keys"
+      ),
+    )
   gen = None
   if "generate" in parts:
     gen = generate(config)
@@ -259,11 +347,14 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
       " of config.repeats calls each"
     ),
   )
-  record = dict(meta=meta, results=results, generate=gen)
+  record = dict(meta=meta, results=results, chunk=chunks, generate=gen)
   wd.write_json("results.json", record)
+  tables = [] if not chunks else [_chunk_table(chunks)]
+  if gen is not None:
+    tables.append(_generate_table(gen))
   if not results:
-    if gen is not None:
-      wd.write_summary(_generate_table(gen))
+    if tables:
+      wd.write_summary("\n\n".join(tables))
     return record
   _common.bar_figure(
     wd.path,
@@ -288,9 +379,26 @@ def run(config, workdir, *, overwrite: bool = False) -> dict:
       ],
       ["workload", *VARIANTS, "dense_paged_ms", "scored"],
     )
-    + ("" if gen is None else "\n\n" + _generate_table(gen))
+    + "".join("\n\n" + table for table in tables)
   )
   return record
+
+
+def _chunk_table(chunks):
+  return _common.format_table(
+    [
+      {
+        "chunk_workload": r["workload"],
+        **{v: r[f"{v}_over_dense_min"] for v in CHUNK_VARIANTS},
+        "dense_ms": r["dense"]["min_ms"],
+        "cert_kept": r["cert_kept_fraction_mean"],
+        "cert_scored": r["cert_scored_fraction_mean"],
+      }
+      for r in chunks
+    ],
+    ["chunk_workload", *CHUNK_VARIANTS, "dense_ms", "cert_kept",
+     "cert_scored"],
+  )  # fmt: skip
 
 
 def _generate_table(gen):

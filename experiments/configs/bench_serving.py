@@ -14,7 +14,7 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """Default config, or the ``smoke`` variant when ``arg == 'smoke'``."""
   c = ml_collections.ConfigDict()
-  c.parts = ("paged", "generate")  # parts of the benchmark to run
+  c.parts = ("paged", "chunk", "generate")  # parts of the benchmark to run
   c.seed = 0  # seed of the synthetic caches and the model (jax.random.key)
   c.lengths = (4096, 8192, 12288, 16384, 20480, 24576, 28672, 32768)
   c.heads = 8  # query heads
@@ -25,6 +25,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eps = 0.05  # Certified(eps)
   c.workloads = ("flat", "topic")  # synthetic caches (module docstring)
   c.repeats = 5  # timed calls per variant (round-robin, after 2 warm-ups)
+  # chunk: one chunk of c.chunk query steps at the end of a cache this long.
+  c.chunk_keys = 32768
+  c.chunk_repeats = 3
   # generate: jaxtopk.models.serve on a random TopKDecoder, dense vs
   # Certified(eps), prompts of random lengths in [min, max].
   c.generate = ml_collections.ConfigDict()
@@ -48,6 +51,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.head_dim = 8
     c.page_size = 16
     c.chunk = 64
+    c.chunk_keys = 256
+    c.chunk_repeats = 1
     c.workloads = ("topic",)
     c.repeats = 1
     c.generate.requests = 3

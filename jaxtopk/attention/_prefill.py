@@ -7,6 +7,11 @@ THEORY 1, 3.3 (block bounds), 6.1/6.2 (certified selection, Delta-Search),
 ``BlockSizes.block_q`` rows (all heads of a kv head's GQA group together),
 and each tile works on its own ``[tile, kv_len]`` slice at most.
 
+A chunk of a sequence's newest queries over a cache (``q_offset``: query
+row i of sequence b sits at key position ``i + q_offset[b]``, the decode's
+route for many query steps) reads the cache's head-major keys and stored
+value norms as they are (``kv_layout='bhsd'``, ``value_norms``).
+
 Layout: inputs in the jax.nn layout are transposed ONCE to head-major
 ``[batch, kv_heads, group, q_len, head_dim]`` queries and
 ``[batch, kv_heads, kv_len, head_dim]`` keys and values (DESIGN: layout
@@ -37,9 +42,10 @@ Two engines, one per kind of policy:
   wastes at most ``w - 1`` tiles' worth of keys).
 - Block search (``Certified(search=DeltaSearch(...))``, and the default
   ``Certified(eps)``, ``Auto``, on longer rows: where the box bounds cannot
-  rule a block out, the rounds score it anyway, so a flat tile ends up
-  scoring every key it sees, at about the cost of the scan-all engine,
-  measured in experiments/bench_attention.py):
+  rule a block out, the rounds score it anyway; a tile where every kv head
+  has a row that must score at least ``BlockSizes.scan_all_share`` of the
+  key blocks, by a lower bound read from the box bounds before any round
+  (``_flat``), runs the scan-all engine over every key instead):
   Delta-Search (THEORY 6.2) at TILE granularity. Keys are cut into blocks of
   ``Certified.block_size``; every block has a box summary (THEORY 3.3) that
   bounds the logit of each of its keys for each row of the tile (widened by

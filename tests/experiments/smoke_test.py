@@ -115,6 +115,12 @@ class SmokeRunTest(parameterized.TestCase):
     self.assertEqual(r["num_pages"], 6 + 13 + 4)  # pages of 16 held
     for variant in ("floor", "gather", "dense_paged", "cert_paged"):
       self.assertGreater(r[variant]["min_ms"], 0.0)
+    (c,) = record["chunk"]
+    self.assertLess(c["dense_max_abs_diff_vs_jax_nn"], 1e-5)
+    for name in ("cert", "cert_exact"):
+      self.assertTrue(c[f"{name}_valid"])
+      self.assertLessEqual(c[f"{name}_tv_bound_max"], 0.05)
+      self.assertGreater(c[f"{name}_over_dense_min"], 0.0)
     g = record["generate"]
     for name in ("dense", "certified"):
       self.assertEqual(g[name]["new_tokens"], 3 * 3)  # every request
