@@ -42,10 +42,11 @@ Two engines, one per kind of policy:
   wastes at most ``w - 1`` tiles' worth of keys).
 - Block search (``Certified(search=DeltaSearch(...))``, and the default
   ``Certified(eps)``, ``Auto``, on longer rows: where the box bounds cannot
-  rule a block out, the rounds score it anyway; a tile where every kv head
-  has a row that must score at least ``BlockSizes.scan_all_share`` of the
-  key blocks, by a lower bound read from the box bounds before any round
-  (``_flat``), runs the scan-all engine over every key instead):
+  rule a block out, the rounds score it anyway; a tile whose rows need
+  more blocks than all rounds but the last score (so the rounds would end
+  up scoring every block), by a lower bound read from the box bounds
+  before any round (``_flat``), runs the scan-all engine over every key
+  instead):
   Delta-Search (THEORY 6.2) at TILE granularity. Keys are cut into blocks of
   ``Certified.block_size``; every block has a box summary (THEORY 3.3) that
   bounds the logit of each of its keys for each row of the tile (widened by
@@ -131,17 +132,18 @@ class BlockSizes:
       less work above the diagonal, more code to compile).
     first_round: blocks scored by a tile in the first round of the block
       search; each later round doubles the total.
-    scan_all_share: a block-search tile where every kv head has a row that
-      must score at least this share of the key blocks (a lower bound from
-      their box bounds) scores every key at once instead of in rounds (on
-      flat rows the rounds cost ~20% more for the same keys); above 1:
-      never.
+    scan_all_share: a block-search tile whose rows need at least this
+      share of the key blocks (a lower bound from their box bounds, for
+      every kv head) scores every key at once instead of in rounds; None:
+      where the rounds would score every block anyway (they need more than
+      all rounds but the last score), for the same keys at ~20% more cost;
+      above 1: never.
   """
 
   block_q: int = 256
   max_bands: int = 8
   first_round: int = 4
-  scan_all_share: float = 0.75
+  scan_all_share: float | None = None
 
   def __post_init__(self):
     for name in ("block_q", "max_bands", "first_round"):
@@ -149,9 +151,10 @@ class BlockSizes:
       if not (isinstance(v, int) and v >= 1):
         raise ValueError(f"BlockSizes.{name}={v!r} must be an int >= 1")
     v = self.scan_all_share
-    if not (isinstance(v, int | float) and v > 0 and math.isfinite(v)):
+    ok = isinstance(v, int | float) and v > 0 and math.isfinite(v)
+    if v is not None and not ok:
       raise ValueError(
-        f"BlockSizes.scan_all_share={v!r} must be a finite number > 0"
+        f"BlockSizes.scan_all_share={v!r} must be None or a finite number > 0"
       )
 
   @classmethod
@@ -458,7 +461,7 @@ class _Ctx:
   values_bound: bool
   return_keep: bool
   first_round: int
-  scan_all_share: float
+  scan_all_share: float | None
 
 
 def _tile_rows(c, i):
@@ -712,15 +715,17 @@ def _search_tile(c, i):
     return part, full
 
   lse0 = jnp.full(lead, -jnp.inf, dt)
+  share = c.scan_all_share
+  most = sum(sizes[:-1]) + 1 if share is None else share * nb
   return lax.cond(
-    _flat(log_mass, policy.eps, c.scan_all_share * nb),
+    _flat(log_mass, policy.eps, most),
     scan_all,
     lambda: run(0, [], jnp.zeros((p.b, p.hk, nb), bool), lse0),
   )
 
 
 def _flat(log_mass, eps, most):
-  """Whether every kv head has a row whose search must score at least
+  """Whether the search of every kv head's rows must score at least
   ``most`` blocks: then one product over every key costs less than the
   rounds.
 
@@ -730,7 +735,8 @@ def _flat(log_mass, eps, most):
   T = (1 - eps) U. With the bounds u_j relative to the largest (each <= 1)
   that is at least T blocks; and for tau < 1, where the c blocks with u_j
   >= tau sum to B < T, more than c blocks, each other one adding < tau:
-  at least c + (T - B) / tau.
+  at least c + (T - B) / tau. Every block with u_j > eps U is among them,
+  and the tile scores the union of its rows' blocks.
   """
   top = jnp.max(log_mass, -1, keepdims=True)  # [b, hk, g, bq, 1]
   u = jnp.exp(log_mass - jnp.where(jnp.isfinite(top), top, 0.0))
@@ -743,8 +749,11 @@ def _flat(log_mass, eps, most):
     need = jnp.maximum(
       need, jnp.where(target > b_high, c + (target - b_high) / tau, 0.0)
     )
-  need = jnp.where(jnp.isfinite(top[..., 0]), need, 0.0)
-  return jnp.all(jnp.max(need, (2, 3)) >= most)
+  ok = jnp.isfinite(top[..., 0])
+  need = jnp.max(jnp.where(ok, need, 0.0), (2, 3))  # [b, hk]
+  sure = (u > eps * jnp.sum(u, -1, keepdims=True)) & ok[..., None]
+  union = jnp.sum(jnp.any(sure, (2, 3)), -1).astype(need.dtype)
+  return jnp.all(jnp.maximum(need, union) >= most)
 
 
 def _bias_blocks(p, bias_t, rng, mask_t, vis_blk):

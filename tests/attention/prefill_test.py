@@ -176,25 +176,36 @@ class BlockwiseBehaviourTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.nonzero(keep[0, 0, 4])[0], [0, 3, 6])
     self.assertEqual(int(cert.k_kept[0, 4, 0]), 3)
 
-  def test_flat_tiles_need_at_least_the_sorted_count(self):
-    # _flat's count is a lower bound on the blocks a row's search scores:
-    # the fewest blocks whose bounds add up to (1 - eps) of all.
+  def test_flat_tiles_need_at_most_what_a_search_scores(self):
+    # _flat's count is a lower bound on the blocks a tile's search scores:
+    # for one row, the fewest blocks whose bounds add up to (1 - eps) of
+    # all (its greedy set); for a tile, at most the union of its rows'
+    # greedy sets (one set that certifies every row).
     rng = np.random.default_rng(0)
     eps = 0.05
-    for spread in (0.1, 1.0, 3.0, 10.0):
-      log_mass = spread * rng.normal(size=(2, 3, 2, 5, 40))
-      log_mass[0, 0, 0, 0, 7] = -np.inf  # a block the row does not see
-      u = np.exp(log_mass - log_mass.max(-1, keepdims=True))
-      c = np.cumsum(-np.sort(-u, -1), -1)
-      fewest = np.sum(c < (1 - eps) * c[..., -1:], -1) + 1
-      most = float(fewest.max())
-      lm = jnp.asarray(log_mass, jnp.float32)
-      self.assertFalse(bool(_prefill._flat(lm, eps, most + 1)), spread)
-      self.assertEqual(
-        bool(_prefill._flat(lm, eps, 1.0)), True, spread
-      )  # every row needs a block
+    for rows in (1, 5):
+      for spread in (0.1, 1.0, 3.0, 10.0):
+        log_mass = spread * rng.normal(size=(2, 3, 2, rows, 40))
+        log_mass[0, 0, 0, 0, 7] = -np.inf  # a block the row does not see
+        u = np.exp(log_mass - log_mass.max(-1, keepdims=True))
+        order = np.argsort(-u, -1)
+        c = np.cumsum(np.take_along_axis(u, order, -1), -1)
+        fewest = np.sum(c < (1 - eps) * c[..., -1:], -1) + 1
+        greedy = np.arange(40) < fewest[..., None]  # in sorted order
+        chosen = np.zeros_like(greedy)
+        np.put_along_axis(chosen, order, greedy, -1)
+        union = np.sum(np.any(chosen, (2, 3)), -1)  # [2, 3]
+        most = float(union.max())
+        lm = jnp.asarray(log_mass, jnp.float32)
+        self.assertFalse(bool(_prefill._flat(lm, eps, most + 1)), spread)
+        self.assertTrue(bool(_prefill._flat(lm, eps, 1.0)), spread)
     flat = jnp.zeros((1, 2, 2, 4, 40))  # equal bounds: 38 of 40 needed
     self.assertTrue(bool(_prefill._flat(flat, eps, 0.9 * 40)))
+    # Rows that each need their own block: the union counts.
+    own = np.full((1, 1, 1, 32, 40), -30.0)
+    own[0, 0, 0, np.arange(32), np.arange(32)] = 0.0
+    self.assertTrue(bool(_prefill._flat(jnp.asarray(own), eps, 32)))
+    self.assertFalse(bool(_prefill._flat(jnp.asarray(own), eps, 33)))
 
   def test_delta_search_skips_blocks_of_a_peaked_row(self):
     # Keys in 16 topic blocks of 4; every query seeks topic 1: Delta-Search
