@@ -507,8 +507,8 @@ def _scan_all_tile(c, length, i):
   )  # [b, hk, g, bq]
   sgs = jax.lax.stop_gradient(s)
   pos = real & (sgs > -jnp.inf)
-  # The search's count of terms where a search tile runs this (its
-  # certificate's margin)
+  # A search tile that runs this (``_flat``) keeps its own count of terms,
+  # which its certificate's margin uses.
   n_keys = p.sp + p.nb if p.kind == "search" else p.s
   keep = internal.keep_mask(
     sgs, c.policy, pos, logit_error=delta, n_keys=n_keys, coarse=True

@@ -178,11 +178,12 @@ def _rows_cache(k, v, mask, bs, extra=0):
   return cache
 
 
-def _step0_decode(q, cache, policy):
-  """``decode_attention`` of ``_STEPS`` query steps over ``cache``: each
-  row's query is step 0, the later steps zeros; step 0's result."""
+def _step0_decode(q, cache, policy, steps=None):
+  """``decode_attention`` of ``steps`` (default ``_STEPS``) query steps
+  over ``cache``: each row's query is step 0, the later steps zeros; step
+  0's result."""
   b, t, h, d = q.shape
-  later = jnp.zeros((b * t, _STEPS - 1, h, d), q.dtype)
+  later = jnp.zeros((b * t, (steps or _STEPS) - 1, h, d), q.dtype)
   qs = jnp.concatenate([q.reshape(b * t, 1, h, d), later], axis=1)
   out, cert = jaxtopk.decode_attention(
     qs, cache, policy=policy, rng=jax.random.key(0)
@@ -243,6 +244,24 @@ def _decode_steps(policy, dtype):
 
 
 _STEPS = 3
+
+
+def _decode_chunk(policy, dtype):
+  """``_decode_steps`` with a chunk of ``_CHUNK`` steps: Certified runs
+  them through the blockwise prefill with the causal offset (the other
+  kinds keep the folded rows at this length)."""
+  del dtype
+  bs = _block(policy)
+
+  def fn(q, k, v, mask, bias):
+    del bias
+    cache = _rows_cache(k, v, mask, bs, _CHUNK - 1)
+    return _step0_decode(q, cache, policy, _CHUNK)
+
+  return fn
+
+
+_CHUNK = _xla_decode.CHUNK_MIN_STEPS["certified"]
 
 
 def _paged(policy, dtype):
@@ -738,6 +757,15 @@ VARIANTS = (
     "index_steps",
     _index_steps,
     ci_policies=(),
+    low_precision=(),
+    eager=False,
+  ),
+  # A chunk of steps: Certified through the blockwise prefill.
+  _of_op(
+    "xla_decode",
+    "decode_chunk",
+    _decode_chunk,
+    ci_policies=("cert_exact_cap", "cert_delta"),
     low_precision=(),
     eager=False,
   ),
