@@ -135,9 +135,9 @@ class BlockSizes:
     scan_all_share: a block-search tile whose rows need at least this
       share of the key blocks (a lower bound from their box bounds, for
       every kv head) scores every key at once instead of in rounds; None:
-      where the rounds would score every block anyway (they need more than
-      all rounds but the last score), for the same keys at ~20% more cost;
-      above 1: never.
+      from ``FLAT_MIN_BLOCKS`` key blocks, where the rounds would score
+      every block anyway (they need more than all rounds but the last
+      score), for the same keys at ~20% more cost; above 1: never.
   """
 
   block_q: int = 256
@@ -161,6 +161,11 @@ class BlockSizes:
   def get_default(cls) -> "BlockSizes":
     return cls()
 
+
+# By default a search tile may switch to the scan-all engine (``_flat``)
+# from FLAT_MIN_BLOCKS key blocks: below it the rounds are few and the
+# switch would only add the second engine to the compiled program.
+FLAT_MIN_BLOCKS = 32
 
 # Default tiles of more than TILE_LOGITS logits (batch x heads x block_q x
 # kv_len) take MIN_WIDE_BLOCK_Q query rows: 2,048 queries over 32,768 keys,
@@ -715,13 +720,15 @@ def _search_tile(c, i):
     return part, full
 
   lse0 = jnp.full(lead, -jnp.inf, dt)
+
+  def search():
+    return run(0, [], jnp.zeros((p.b, p.hk, nb), bool), lse0)
+
   share = c.scan_all_share
+  if (share is None and nb < FLAT_MIN_BLOCKS) or (share or 0) > 1:
+    return search()  # (the switch would compile a second engine)
   most = sum(sizes[:-1]) + 1 if share is None else share * nb
-  return lax.cond(
-    _flat(log_mass, policy.eps, most),
-    scan_all,
-    lambda: run(0, [], jnp.zeros((p.b, p.hk, nb), bool), lse0),
-  )
+  return lax.cond(_flat(log_mass, policy.eps, most), scan_all, search)
 
 
 def _flat(log_mass, eps, most):

@@ -33,9 +33,11 @@ _CI_EXAMPLES = (
 
 # 7 rows: four tiles of 2, so two causal bands (a band holds >= 2 tiles).
 T, S, H, HKV, D = 7, 13, 2, 1, 3  # query rows, keys, heads, kv heads, dim
-SMALL = _prefill.BlockSizes(block_q=2, max_bands=2, first_round=1)
-# The block search's rounds even where its tile looks flat (SMALL: flat
-# tiles score every key at once).
+# Flat search tiles score every key at once (``scan_all_share``: also on
+# these few blocks); ROUNDS: the block search's rounds even there.
+SMALL = _prefill.BlockSizes(
+  block_q=2, max_bands=2, first_round=1, scan_all_share=0.75
+)
 ROUNDS = _prefill.BlockSizes(
   block_q=2, max_bands=2, first_round=1, scan_all_share=2.0
 )
