@@ -149,16 +149,29 @@ class Policy:
         backend does not support, and what it does support.
     """
     supports = frozenset(supports)
+    missing = self._first_unsupported(supports)
+    if missing is not None:
+      field, value = missing
+      what = (
+        f"{value!r}" if field == type(self).__name__ else f"{field}={value!r}"
+      )
+      raise UnsupportedPolicyError(
+        f"{what} is not supported by {backend}; it supports {sorted(supports)}"
+      )
+
+  def supported_by(self, supports: Iterable[str]) -> bool:
+    """Whether a backend with feature names ``supports`` honours every field
+    of this policy (``require`` without the error)."""
+    return self._first_unsupported(frozenset(supports)) is None
+
+  def _first_unsupported(
+    self, supports: frozenset
+  ) -> tuple[str, object] | None:
+    """``(field, value)`` of the first field ``supports`` lacks, or None."""
     for field, value, feature in self.features():
       if feature not in supports:
-        if field == type(self).__name__:
-          what = f"{value!r}"
-        else:
-          what = f"{field}={value!r}"
-        raise UnsupportedPolicyError(
-          f"{what} is not supported by {backend}; it supports"
-          f" {sorted(supports)}"
-        )
+        return field, value
+    return None
 
 
 class FixedCount(Policy):

@@ -347,7 +347,8 @@ def budget_threshold(
     )
     over = jnp.sum(hist[..., num_bins:], -1)
     hist = hist[..., :num_bins].at[..., last].add(over)
-    return w, _spread(b, inside, num_bins), _suffix_sum(hist)
+    # b is read only where `inside` (the next level's inside is ANDed).
+    return w, b, _suffix_sum(hist)
 
   def allowed_of(total):
     """The dropped mass allowed, relative to the max."""
