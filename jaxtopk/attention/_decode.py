@@ -115,14 +115,14 @@ AUTO_MIN_KEYS = 1024
 AUTO_CODES_PLATFORMS = ("cpu",)
 AUTO_SAMPLE = 32
 AUTO_THRESHOLD = 0.6
-# Query heads per kv head up to which the key codes pay on a contiguous
-# cache. Their bounds, thresholds and candidate gathers are per query, the
-# dense product's key reads are shared by the group: on concentrated rows
-# (n = 4K-32K, head_dim 128, CPU) the codes cost 0.41x dense at 1 query per
-# kv head and 1.28-1.35x at 4, where the exact search costs 1.04x
-# (docs/performance.md). Past it, concentrated rows run the exact search.
-# Over a paged cache dense gathers every page: there the codes paid at 4
-# (0.58x dense over the pages).
+# Query heads per kv head up to which the key codes pay. Their bounds,
+# thresholds and candidate gathers are per query, the dense product's key
+# reads are shared by the group: on concentrated rows (n = 4K-32K,
+# head_dim 128, CPU) the codes cost 0.41x dense at 1 query per kv head and
+# 1.28-1.35x at 4, where the exact search costs 1.04x; over a paged cache
+# read page slot by page slot, 0.67x dense at 1 and 1.2x at 4, where the
+# exact search costs 0.8x (docs/performance.md). Past it, concentrated
+# rows run the exact search.
 AUTO_CODES_MAX_GROUP = 2
 # The key-code path: candidates compacted into n / CODES_SMALL slots (or
 # n when more), their keys and values gathered CODES_CHUNK at a time.
@@ -281,8 +281,7 @@ def _step(
   q_in, q = _queries(query, cache)
   dt = q.dtype
   if s is None:
-    k = _cache.dense_rows(cache.keys).astype(dt)  # [b, hk, n, d]
-    s = jnp.einsum("bkgd,bknd->bkgn", q, k, precision=_HIGHEST) * scale
+    s = _cache.row_logits(cache.keys, q, _HIGHEST) * scale  # [b, hk, g, n]
   delta = _logit_error(q_in, q, cache, scale)
   if q_len == 1:
     valid = cache.valid()[:, :, None]  # [b, 1, 1, n]
@@ -322,8 +321,7 @@ def _dense_values(p, values):
   dv]``, one einsum. (Splitting n into chunks as a batch axis of the dot,
   once 2-3x faster on XLA:CPU, measured 1.1-1.5x slower with jax 0.10 at
   n = 1K-131K, g = 1-8: docs/performance.md.)"""
-  vals = _cache.dense_rows(values).astype(p.dtype)
-  return jnp.einsum("bkgn,bknd->bkgd", p, vals, precision=_HIGHEST)
+  return _cache.row_weighted_sum(values, p, _HIGHEST)
 
 
 def _kept_values_fn(keep, values, capacity):
@@ -799,11 +797,9 @@ _CODES, _EXACT, _ALL = 0, 1, 2
 
 
 def _codes_pay(query, cache) -> bool:
-  """Static: whether Auto may take the key codes (``AUTO_CODES_MAX_GROUP``
-  query heads per kv head, any group over a paged cache's view)."""
-  g = query.shape[2] // cache.keys.shape[1]
-  paged = isinstance(cache.keys, _cache.PageRows)
-  return paged or g <= AUTO_CODES_MAX_GROUP
+  """Static: whether Auto may take the key codes (at most
+  ``AUTO_CODES_MAX_GROUP`` query heads per kv head)."""
+  return query.shape[2] // cache.keys.shape[1] <= AUTO_CODES_MAX_GROUP
 
 
 def _sample_choice(policy, query, cache, scale):
@@ -889,8 +885,9 @@ def _certified_codes(
   q_in, q = _queries(query, cache)
   dt = q.dtype
   n = cache.max_len
-  codes = _cache.dense_rows(cache.key_codes)  # paged: gathered here
-  u, lo = key_codes.code_bounds(q_in, codes, cache.key_exponents, scale=scale)
+  q_c, w = key_codes.query_terms(q_in)
+  t = _cache.code_products(cache.key_codes, q_c)  # [b, hk, g, n]
+  u, lo = key_codes.bounds_from_products(t, w, cache.key_exponents, scale=scale)
   st = _step(query, cache, scale, s=u, **kw)
   real = st.real
   n_terms = 2 * n
@@ -1023,8 +1020,8 @@ def _codes_rows(
   runs the most general choice of its rows (``_CODES`` < ``_EXACT`` <
   ``_ALL``), batched: the codes when every row chose them, every key kept
   when some row looks flat (no ``max_topk``), the exact search otherwise;
-  on a contiguous cache with more than ``AUTO_CODES_MAX_GROUP`` query heads
-  per kv head no row takes the codes (concentrated rows: the exact
+  with more than ``AUTO_CODES_MAX_GROUP`` query heads per kv head no row
+  takes the codes (concentrated rows: the exact
   search). Rows that drew a sample add its cost to ``keys_scored``.
 
   No loop over rows: one branch per row (``lax.map``) copied every row's
@@ -1116,7 +1113,7 @@ def _xla_decode(
 
 def _chunk_supports(policy) -> bool:
   """Whether the blockwise prefill honours every field of ``policy``."""
-  return all(f in _prefill.SUPPORTS for *_, f in policy.features())
+  return policy.supported_by(_prefill.SUPPORTS)
 
 
 def _chunk(query, cache, scale, *, policy, residual):
@@ -1228,14 +1225,14 @@ def decode_attention(
   The op is chosen from the registry (``attention.registry``) by
   ``implementation`` and the cache's type: over an IndexedKVCache 'xla' is
   the content index's search (``attention._index_decode``); over a
-  PagedKVCache it is this XLA decode on the gathered pages
-  (``attention._paged``).
+  PagedKVCache it is this XLA decode over its pages, read where they are
+  read (``attention._paged``).
 
   Args:
     query: ``[batch, q_len, num_heads, head_dim]``, q_len >= 1; num_heads a
       multiple of the cache's kv heads. Ops that attend one step only
       ('pallas', 'sharded') refuse q_len > 1 by name.
-    cache: a KVCache, a PagedKVCache (its pages gathered), or an
+    cache: a KVCache, a PagedKVCache (read from its page pool), or an
       IndexedKVCache (which searches its groups).
     policy: a selection policy.
     scale: logit scale, default 1/sqrt(head_dim); a number >= float32's

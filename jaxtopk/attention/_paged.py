@@ -22,9 +22,12 @@ pages as a contiguous ``KVCache``, built inside the decode's compiled
 program (``_view``): the summaries gathered page by page, the keys and
 values ``_cache.PageRows`` that the decode reads where it reads them.
 Every policy, certificate and q_len >= 1 behave as on the contiguous cache
-(equal bit for bit); a search that scores a few candidates (the key codes)
-reads their keys and values straight from the pool, and nothing else of
-them. ``gather`` builds the whole contiguous cache.
+(equal up to the order of the value sum); the logits, the value sum and
+the key codes' products run page slot by page slot on CPU
+(``_cache.PAGE_SCAN_PLATFORMS``: no copy of the pages); a search that
+scores a few candidates reads their keys and values straight from the
+pool, and nothing else of them. ``gather`` builds the whole contiguous
+cache.
 """
 
 import dataclasses

@@ -230,9 +230,19 @@ def code_bounds(
     ``u`` alone.
   """
   q, w = query_terms(query)
-  dt = q.dtype
-  _, emin, emax, bad = _params(dt)
   t = code_dot(q, codes_t, loop=loop)  # [..., g, n]
+  return bounds_from_products(
+    t, w, exponents, scale=scale, upper_only=upper_only
+  )
+
+
+def bounds_from_products(t, w, exponents, *, scale, upper_only=False):
+  """``code_bounds`` from the code products ``t`` = q.c ``[..., g, n]``
+  (``code_dot``, or the same products computed in pieces, e.g. page by
+  page: any order of each d-term sum) and ``w`` ``[..., g]``
+  (``query_terms``)."""
+  dt = t.dtype
+  _, emin, emax, bad = _params(dt)
   e = jnp.asarray(exponents).astype(jnp.int32)[..., None, :]  # [..., 1, n]
   broken = e == bad
   step = core.pow2(jnp.clip(e, emin, emax), dt)

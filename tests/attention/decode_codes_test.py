@@ -184,10 +184,10 @@ class AutoDecodeTest(parameterized.TestCase):
       choice, _ = _decode._sample_choice(policy, q, cache, d**-0.5)
       self.assertEqual(int(choice[0, 0]), want, policy)
 
-  def test_large_groups_run_the_exact_search_on_a_contiguous_cache(self):
+  def test_large_groups_run_the_exact_search(self):
     # Concentrated rows: the codes with one query per kv head; with more
-    # than AUTO_CODES_MAX_GROUP per kv head the exact search, except over
-    # a paged cache (dense would gather every page there).
+    # than AUTO_CODES_MAX_GROUP per kv head the exact search, over a
+    # contiguous and a paged cache.
     rng = np.random.default_rng(4)
     d, g = 8, _decode.AUTO_CODES_MAX_GROUP + 1
     k = jnp.float32(rng.normal(size=(1, self.N, 1, d)))
@@ -201,7 +201,8 @@ class AutoDecodeTest(parameterized.TestCase):
     for query, c, want in [
       (q[:, :, :1], cache, _decode._CODES),
       (q, cache, _decode._EXACT),
-      (q, _paged._view(paged), _decode._CODES),
+      (q[:, :, :1], _paged._view(paged), _decode._CODES),
+      (q, _paged._view(paged), _decode._EXACT),
     ]:
       choice, _ = _decode._sample_choice(policy, query, c, d**-0.5)
       self.assertEqual(int(choice[0, 0]), want, (query.shape, type(c.keys)))
