@@ -28,6 +28,7 @@ arrays are deleted; ``append(..., donate=False)`` keeps them (and copies).
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -222,11 +223,16 @@ class KVCache:
 # Platforms where a paged cache's keys and values are read page slot by page
 # slot (``PageRows.logits``, ``PageRows.weighted_sum``: a scan whose pages
 # stay in cache between the gather and the product) instead of gathered
-# whole first. On XLA:CPU the gather copies at a third of the speed the
-# product reads (8 sequences of 4K-32K keys, 8 heads over 2: logits 40 ms
-# by slot against 124 ms gathered, docs/performance.md); on a GPU a scan
-# would launch kernels per page slot, so the gather stays there.
+# whole first, where the gathered array would hold PAGE_SCAN_MIN_BYTES or
+# more. On XLA:CPU a gather that leaves the processor's caches copies at a
+# third of the speed the product reads (8 sequences of 4K-32K keys, 8 heads
+# over 2: logits 40 ms by slot against 124 ms gathered); below ~8 MiB the
+# gather stays in cache and the scan's steps cost more (logits and value
+# sum at 4 MiB: 1.7 ms by slot, 1.2 gathered; at 16 MiB 5.2 and 7.5;
+# docs/performance.md). On a GPU a scan would launch kernels per page slot,
+# so the gather stays there.
 PAGE_SCAN_PLATFORMS = ("cpu",)
+PAGE_SCAN_MIN_BYTES = 1 << 23
 
 
 @jax.tree_util.register_dataclass
@@ -272,8 +278,11 @@ class PageRows:
 
   @property
   def by_slot(self) -> bool:
-    """Whether reads go page slot by page slot (``PAGE_SCAN_PLATFORMS``)."""
-    return jax.default_backend() in PAGE_SCAN_PLATFORMS
+    """Whether reads go page slot by page slot (``PAGE_SCAN_PLATFORMS``,
+    ``PAGE_SCAN_MIN_BYTES``); static."""
+    size = math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+    on = jax.default_backend() in PAGE_SCAN_PLATFORMS
+    return on and size >= PAGE_SCAN_MIN_BYTES
 
   def per_slot(self, fn) -> jax.Array:
     """``fn`` of each slot's pages, concatenated over the slots: ``fn``

@@ -94,13 +94,16 @@ class PagedKVCacheTest(parameterized.TestCase):
       k, v = _steps(rng, steps)
       paged = paged.append(k, v, num_steps=num)
       flat = flat.append(k, v, num_steps=num)
+    # The pages read slot by slot (on CPU from PAGE_SCAN_MIN_BYTES; forced
+    # here, and the decode retraced): the values summed page slot by page
+    # slot, the same terms in another order, values of order one.
+    _decode._xla_decode.clear_cache()
+    self.addCleanup(_decode._xla_decode.clear_cache)
+    self.enter_context(mock.patch.object(_cache, "PAGE_SCAN_MIN_BYTES", 0))
     for q_len in (1, 3):
       q = jnp.asarray(rng.standard_normal((B, q_len, 2 * H, D)), jnp.float32)
       o1, c1 = jaxtopk.decode_attention(q, paged, policy=policy)
       o2, c2 = jaxtopk.decode_attention(q, flat, policy=policy)
-      # On CPU the pages' values are summed page slot by page slot
-      # (_cache.PageRows.weighted_sum): the same terms in another order,
-      # values of order one.
       ulp = float(np.finfo(np.float32).eps)
       np.testing.assert_allclose(o1, o2, rtol=4 * ulp, atol=32 * ulp)
       for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2), strict=True):
@@ -150,7 +153,10 @@ class PagedKVCacheTest(parameterized.TestCase):
       key_codes.code_dot(q, whole.key_codes),
     )
     for platforms in (("cpu",), ()):
-      with mock.patch.object(_cache, "PAGE_SCAN_PLATFORMS", platforms):
+      with (
+        mock.patch.object(_cache, "PAGE_SCAN_PLATFORMS", platforms),
+        mock.patch.object(_cache, "PAGE_SCAN_MIN_BYTES", 0),
+      ):
         self.assertEqual(keys.by_slot, bool(platforms))
         got = (
           _cache.row_logits(keys, q, hi),
