@@ -55,6 +55,7 @@ from flax import nnx
 
 import jaxtopk
 from jaxtopk import parallel
+from jaxtopk.attention import _cache
 from jaxtopk.attention import _decode as _xla_decode
 from jaxtopk.attention import registry
 from jaxtopk.selection import Certified
@@ -267,7 +268,10 @@ _CHUNK = _xla_decode.CHUNK_MIN_STEPS["certified"]
 def _paged(policy, dtype):
   """``decode_attention`` of each row over a PagedKVCache whose pages held
   NaN keys and values of earlier owners (released) and are handed out
-  again in reverse row order."""
+  again in reverse row order; the pages read slot by slot as large pools
+  are on CPU (``_cache.PAGE_SCAN_MIN_BYTES`` lowered to 0; below it the
+  decode reads the gathered view, which the paged tests hold equal to the
+  contiguous cache)."""
   del dtype
   bs = _block(policy)
 
@@ -287,9 +291,10 @@ def _paged(policy, dtype):
     for r in reversed(range(bt)):
       own = jnp.where(jnp.arange(bt) == r, length, 0)
       cache = cache.append(kk, vv, num_steps=own)
-    out, cert = jaxtopk.decode_attention(
-      q.reshape(b * t, 1, h, d), cache, policy=policy, rng=jax.random.key(0)
-    )
+    with mock.patch.object(_cache, "PAGE_SCAN_MIN_BYTES", 0):
+      out, cert = jaxtopk.decode_attention(
+        q.reshape(b * t, 1, h, d), cache, policy=policy, rng=jax.random.key(0)
+      )
     out = out.reshape(b, t, h, e)
     return out, jax.tree.map(lambda x: x.reshape(b, t, h), cert)
 
