@@ -65,6 +65,22 @@ def _assert_same_cache(test, got, want):
 CHUNKS = ((5, [5, 2, 0]), (3, [1, 3, 3]), (7, [7, 0, 6]), (1, [1, 1, 1]))
 
 
+def _page_rows(rng):
+  """A paged cache filled by CHUNKS: its gather, and its keys, values and
+  key codes (d-major, positions on axis 3) as ``_cache.PageRows``."""
+  paged, _ = _pair()
+  for steps, num in CHUNKS:
+    paged = paged.append(*_steps(rng, steps), num_steps=num)
+  table = paged.page_table
+  pool = paged.pool
+  return (
+    paged.gather(),
+    _cache.PageRows(pool.keys, table),
+    _cache.PageRows(pool.values, table),
+    _cache.PageRows(pool.key_codes, table, 3),
+  )
+
+
 class PagedKVCacheTest(parameterized.TestCase):
   @parameterized.parameters(jnp.float32, jnp.bfloat16)
   def test_gather_equals_contiguous_cache(self, dtype):
@@ -113,13 +129,7 @@ class PagedKVCacheTest(parameterized.TestCase):
     # The lazy reads of the decode's view: whole, at chosen positions, and
     # the key codes' sample positions (d-major, positions on axis 3).
     rng = rand.generator(5)
-    paged, _ = _pair()
-    for steps, num in CHUNKS:
-      paged = paged.append(*_steps(rng, steps), num_steps=num)
-    whole = paged.gather()
-    table = paged.page_table
-    keys = _cache.PageRows(paged.pool.keys, table)
-    codes = _cache.PageRows(paged.pool.key_codes, table, 3)
+    whole, keys, _, codes = _page_rows(rng)
     np.testing.assert_array_equal(keys.dense(), whole.keys)
     np.testing.assert_array_equal(codes.dense(), whole.key_codes)
     idx = jnp.asarray(rng.integers(0, M * PS, (B, H, 2, 6)), jnp.int32)
@@ -136,14 +146,7 @@ class PagedKVCacheTest(parameterized.TestCase):
     # The logits, value sums and code products page slot by page slot (CPU)
     # and from the gathered pages (other platforms), against the gather.
     rng = rand.generator(6)
-    paged, _ = _pair()
-    for steps, num in CHUNKS:
-      paged = paged.append(*_steps(rng, steps), num_steps=num)
-    whole = paged.gather()
-    table = paged.page_table
-    keys = _cache.PageRows(paged.pool.keys, table)
-    values = _cache.PageRows(paged.pool.values, table)
-    codes = _cache.PageRows(paged.pool.key_codes, table, 3)
+    whole, keys, values, codes = _page_rows(rng)
     q = jnp.asarray(rng.standard_normal((B, H, 3, D)), jnp.float32)
     p = jnp.asarray(rng.random((B, H, 3, M * PS)), jnp.float32)
     hi = jax.lax.Precision.HIGHEST
