@@ -22,9 +22,9 @@ that page's centre), so a row's mass sits in a page or two.
 ``results.json`` records min and median times, the ratios to
 ``dense_paged``, the certificates' kept and scored fractions, the largest
 ``tv_bound``, whether the paged and contiguous outputs and certificates
-agree up to rounding under one strategy (the key-code bound, its candidates read from the
-pages; ``Certified(eps)`` itself may choose differently per layout, as
-dense costs more over pages), the machine and the load;
+agree up to rounding under one strategy (the key-code bound, its
+candidates read from the pages; ``Certified(eps)`` itself may choose
+differently per layout), the machine and the load;
 ``metrics.jsonl`` one row per workload; ``ratios.png``.
 
 Part ``chunk``: one prefill chunk of ``config.chunk`` query steps at the
