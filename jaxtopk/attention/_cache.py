@@ -233,6 +233,11 @@ class KVCache:
 # so the gather stays there.
 PAGE_SCAN_PLATFORMS = ("cpu",)
 PAGE_SCAN_MIN_BYTES = 1 << 23
+# Up to this many query rows per kv head a slot's logits are one
+# matrix-vector product per row: XLA:CPU's batched product of a few rows by
+# one page costs more (per-slot logits at 2 rows 45.6 -> 22.5 ms, at 4
+# 50.2 -> 39.2; at 8 rows 64.0 against 69.1: docs/performance.md).
+PAGE_SCAN_MAX_ROWS = 4
 
 
 @jax.tree_util.register_dataclass
@@ -302,11 +307,18 @@ class PageRows:
     if not self.by_slot:
       k = self.dense().astype(q.dtype)
       return jnp.einsum("bkgd,bknd->bkgn", q, k, precision=precision)
-    return self.per_slot(
-      lambda k: jnp.einsum(
-        "bkgd,bksd->bkgs", q, k.astype(q.dtype), precision=precision
-      )
-    )
+
+    def products(k):  # [b, hk, ps, d] -> [b, hk, g, ps]
+      k = k.astype(q.dtype)
+      if q.shape[2] > PAGE_SCAN_MAX_ROWS:
+        return jnp.einsum("bkgd,bksd->bkgs", q, k, precision=precision)
+      rows = [
+        jnp.einsum("bkd,bksd->bks", q[:, :, i], k, precision=precision)
+        for i in range(q.shape[2])
+      ]
+      return jnp.stack(rows, 2)
+
+    return self.per_slot(products)
 
   def weighted_sum(self, p, precision) -> jax.Array:
     """sum_n p_n v_n: ``p`` ``[b, hk, g, slots x page_size]`` -> ``[b, hk,
