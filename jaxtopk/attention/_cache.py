@@ -305,8 +305,7 @@ class PageRows:
     """q.k of every position: ``q`` ``[b, hk, g, d]`` -> ``[b, hk, g,
     slots x page_size]`` (keys: ``[pages, kv_heads, page_size, d]``)."""
     if not self.by_slot:
-      k = self.dense().astype(q.dtype)
-      return jnp.einsum("bkgd,bknd->bkgn", q, k, precision=precision)
+      return row_logits(self.dense(), q, precision)
 
     def products(k):  # [b, hk, ps, d] -> [b, hk, g, ps]
       k = k.astype(q.dtype)
@@ -324,8 +323,7 @@ class PageRows:
     """sum_n p_n v_n: ``p`` ``[b, hk, g, slots x page_size]`` -> ``[b, hk,
     g, dv]`` (values: ``[pages, kv_heads, page_size, dv]``)."""
     if not self.by_slot:
-      v = self.dense().astype(p.dtype)
-      return jnp.einsum("bkgn,bknd->bkgd", p, v, precision=precision)
+      return row_weighted_sum(self.dense(), p, precision)
     b, hk, g, _ = p.shape
     slots, ps = self.table.shape[1], self.pool.shape[2]
     p_slots = jnp.moveaxis(p.reshape(b, hk, g, slots, ps), 3, 0)
