@@ -386,11 +386,7 @@ def code_products(codes, q) -> jax.Array:
   (``key_codes.code_dot``; over pages, an einsum per page slot, ~2x faster
   on CPU than gathering the codes first)."""
   if isinstance(codes, PageRows) and codes.by_slot:
-    return codes.per_slot(
-      lambda c: jnp.einsum(
-        "bkgd,bkds->bkgs", q, c.astype(q.dtype), precision=core.PRECISION
-      )
-    )
+    return codes.per_slot(lambda c: key_codes.code_dot(q, c, loop=False))
   return key_codes.code_dot(q, dense_rows(codes))
 
 
