@@ -59,15 +59,19 @@ from jaxtopk.attention import registry
 from jaxtopk.attention._cache import KVCache
 from jaxtopk.selection import Certificate
 from jaxtopk.selection import Certified
+from jaxtopk.selection import DeltaSearch
 from jaxtopk.selection import FixedCount
 from jaxtopk.selection import Policy
 from jaxtopk.selection import core
 from jaxtopk.selection import key_codes
 from jaxtopk.selection import threshold
 from jaxtopk.selection.internal import FEATURES
+from jaxtopk.selection.internal import TableBlocks
 from jaxtopk.selection.internal import box_upper_bound_dot
 from jaxtopk.selection.internal import capabilities
+from jaxtopk.selection.internal import finish_compact
 from jaxtopk.selection.internal import rng_argument
+from jaxtopk.selection.internal import search_row_compact
 from jaxtopk.selection.internal import search_row_partial
 
 # What the XLA decode honours: every policy, strategy and field but the
@@ -93,6 +97,13 @@ BRACKET_BINS = 256  # bins of the certified bracket's column-mass histogram
 # Static gather capacity of Certified(eps) (kept keys), as a fraction of the
 # cache: rows keeping more take the dense value product.
 CERTIFIED_CAPACITY = 1 / 32
+# A kept set this many times smaller than the capacity gathers that many
+# slots (``_values_at``).
+GATHER_TIERS = 8
+# Blocks a certified search scores before it gives up on the compact form
+# (``_search_compact``), as a fraction of the cache's blocks: a row that
+# needs more runs the search over every block.
+SEARCH_CAPACITY = 1 / 8
 # Caches shorter than CANDIDATE_MIN_KEYS take the full-row path of the
 # fixed counts and of Certified's exact search directly (no bracket, no
 # candidates): below it the full row costs no more (measured at n = 512 to
@@ -457,6 +468,43 @@ def _compact_ge(st: _Step, lo, cap, group):
   return threshold.mask_indices(ge, cap, group=group)
 
 
+def _values_at(st: _Step, idx, kept, capacity, *, may_exceed):
+  """``p -> sum p_i v_i`` over the ``kept`` slots ``[b, hk, g, cap]`` of
+  the positions ``idx``: the kept values gathered, at most ``capacity``
+  per row (``capacity // GATHER_TIERS`` where every row keeps that few: a
+  gather costs its slots, used or not); with ``may_exceed`` (static), a
+  batch where some row keeps more puts the weights back at their positions
+  for the dense value product."""
+  n = st.s.shape[-1]
+  most = jnp.max(jnp.sum(kept, -1, dtype=jnp.int32))
+  sizes = sorted({max(1, capacity // GATHER_TIERS), capacity})
+
+  def value_fn(p):  # p: [b, hk, g, cap] normalised kept weights
+    def gathered(size):
+      def fn():
+        kidx, kok, _ = threshold.mask_indices(kept, size, strided=False)
+        pos = jnp.take_along_axis(idx, kidx, -1)  # [b, hk, g, K]
+        vals = _gather_values(st.cache.values, pos)  # [b, hk, g, K, dv]
+        pk = jnp.where(kok, jnp.take_along_axis(p, kidx, -1), 0.0)
+        return jnp.einsum(
+          "bkgt,bkgtd->bkgd", pk, vals.astype(p.dtype), precision=_HIGHEST
+        )
+
+      return fn
+
+    def dense():  # p is 0 off the kept slots; the others are dropped
+      pos = jnp.where(kept, idx, n)  # out of range: dropped
+      full = jnp.zeros((*p.shape[:-1], n), p.dtype)
+      full = jnp.put_along_axis(full, pos, p, -1, inplace=False, mode="drop")
+      return _dense_values(full, st.cache.values)
+
+    branches = [gathered(s) for s in sizes] + ([dense] if may_exceed else [])
+    tier = sum((most > s).astype(jnp.int32) for s in sizes[: len(branches) - 1])
+    return lax.switch(tier, branches) if len(branches) > 1 else branches[0]()
+
+  return value_fn
+
+
 def _finish_candidates(
   st: _Step, c: _Candidates, kept, capacity, *, may_exceed=False, **kw
 ):
@@ -471,34 +519,12 @@ def _finish_candidates(
   row: 1.7x the dense decode with 4 query rows per kv head,
   docs/performance.md).
   """
-  kidx, kok, kcount = threshold.mask_indices(kept, capacity, strided=False)
-  n = st.s.shape[-1]
-
-  def value_fn(p):  # p: [b, hk, g, cap] normalised kept weights
-    def gathered():
-      pos = jnp.take_along_axis(c.idx, kidx, -1)  # [b, hk, g, K] positions
-      vals = _gather_values(st.cache.values, pos)  # [b, hk, g, K, dv]
-      pk = jnp.where(kok, jnp.take_along_axis(p, kidx, -1), 0.0)
-      return jnp.einsum(
-        "bkgt,bkgtd->bkgd", pk, vals.astype(p.dtype), precision=_HIGHEST
-      )
-
-    def dense():  # p is 0 off the kept slots; the others are dropped
-      pos = jnp.where(kept, c.idx, n)  # out of range: dropped
-      full = jnp.zeros((*p.shape[:-1], n), p.dtype)
-      full = jnp.put_along_axis(full, pos, p, -1, inplace=False, mode="drop")
-      return _dense_values(full, st.cache.values)
-
-    if not may_exceed:
-      return gathered()
-    return lax.cond(jnp.all(kcount <= capacity), gathered, dense)
-
   head = core.PartialSoftmax.from_logits(
     c.s,
     kept,
     c.ok,
     logit_error=st.delta,
-    value_fn=value_fn,
+    value_fn=_values_at(st, c.idx, kept, capacity, may_exceed=may_exceed),
     value_norms=c.vn,
     keys_scored=0,
   )
@@ -696,60 +722,142 @@ def _certified_exact(policy: Certified, st: _Step):
 
 
 def _certified_search(policy: Certified, st: _Step, rng):
-  cache = st.cache
-  b, hk, g, n = st.s.shape
-  bs = cache.block_size
+  """Delta- or MC-Search (``policy.search``) of every row: first scoring at
+  most ``SEARCH_CAPACITY`` of the blocks (``_search_compact``: work for
+  the scored blocks only), the whole row where some row needs more."""
+  bs = st.cache.block_size
   if policy.block_size != bs:
     raise ValueError(
       f"Certified.block_size={policy.block_size} must equal the cache's"
       f" block_size={bs} for search={policy.search.name!r}"
     )
-  box = cache.box()  # [b, hk, nb, d]: einsums broadcast over the groups
+  search = policy.search
+  full = functools.partial(_search_full, policy, search, st, rng)
+  return _search_compact(policy, search, st, rng, full)
+
+
+def _block_bounds(st: _Step):
+  """``(u, cnt)``: ``[b, hk, g, nb]`` box bounds of every block's exact
+  logits and ``[b, hk, g, nb]`` int32 positions per block. A block's box
+  and count may hold positions past a row's prefix: they only bound more
+  keys (sound); the row scores its real keys only."""
+  box = st.cache.box()  # [b, hk, nb, d]: einsums broadcast over the groups
   u = box_upper_bound_dot(st.q, box, scale=st.scale)  # [b, hk, g, nb]
   # Box bounds use the keys as read (subnormals as 0): widen by delta.
   u = u + st.delta[..., None]
-  cnt = jnp.broadcast_to(box.count[:, :, None], u.shape)
+  return u, jnp.broadcast_to(box.count[:, :, None], u.shape)
+
+
+def _search_rows(fn, st: _Step, rng, u, cnt):
+  """``fn(q, keys, valid, u, cnt, delta, rng, value_norms)``, one row's
+  search, over every (batch, kv head, group) row. A paged view's keys are
+  read page by page where the search scores them (``TableBlocks``), never
+  gathered."""
+  cache = st.cache
+  b, hk, g, _ = st.s.shape
   if st.valid.shape[2] == 1:
     valid, g_axis = cache.valid()[:, 0], None  # [b, n]
   else:  # folded query steps: each row its own causal prefix
     valid, g_axis = st.valid[:, 0], 0  # [b, g, n]
-  rngs = jax.random.split(rng, (b, hk, g))
-  fn = functools.partial(
-    search_row_partial,
-    search=policy.search,
-    eps=policy.eps,
-    scale=st.scale,
-    max_topk=policy.max_topk,
-    block_summary_keys=2,  # the block's box: 2 d floats
+  keys, k_axes = cache.keys, (0, 0, None)
+  if isinstance(keys, _cache.PageRows):
+    keys = TableBlocks(keys.pool, keys.table, jnp.arange(hk))
+    k_axes = (TableBlocks(None, 0, None), TableBlocks(None, None, 0), None)
+  axes = (  # (batch, kv head, group) of (q, keys, valid, u, cnt, delta,
+    # rng, value_norms)
+    (0, k_axes[0], 0, 0, 0, 0, 0, 0),
+    (0, k_axes[1], None, 0, 0, 0, 0, 0),
+    (0, k_axes[2], g_axis, 0, 0, 0, 0, None),
   )
-  # q [b,hk,g,d], keys [b,hk,n,d], valid [b,n] (or [b,g,n]), u/cnt
-  # [b,hk,g,nb], delta [b,hk,g], rng [b,hk,g], norms [b,hk,n]. A block's
-  # box and count may hold positions past a row's prefix: they only bound
-  # more keys (sound); the row scores its real keys only.
-  over_g = jax.vmap(
-    lambda q, k, v, u_, c_, e, r, vn: fn(q, k, v, u_, c_, e, r, value_norms=vn),
-    in_axes=(0, None, g_axis, 0, 0, 0, 0, None),
-  )
-  over_hk = jax.vmap(over_g, in_axes=(0, 0, None, 0, 0, 0, 0, 0))
-  over_b = jax.vmap(over_hk, in_axes=(0, 0, 0, 0, 0, 0, 0, 0))
-  s, keep, scored, part = over_b(
-    st.q,
-    _cache.dense_rows(cache.keys),
-    valid,
-    u,
-    cnt,
-    st.delta,
-    rngs,
-    cache.value_norms,
-  )
-  capacity = min(n, policy.max_topk or max(1, int(n * CERTIFIED_CAPACITY)))
+  row = fn
+  for ax in reversed(axes):  # the group innermost
+    row = jax.vmap(row, in_axes=ax)
+  rngs = None if rng is None else jax.random.split(rng, (b, hk, g))
+  return row(st.q, keys, valid, u, cnt, st.delta, rngs, cache.value_norms)
+
+
+def _kept_weights(s, keep):
+  """Normalised softmax weights of the kept logits (0 elsewhere)."""
   m = jnp.max(jnp.where(keep, s, -jnp.inf), -1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.where(keep, jnp.exp(s - m), 0.0)
-  p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), jnp.finfo(p.dtype).tiny)
-  o = _kept_values_fn(keep, cache.values, capacity)(p)
+  tiny = jnp.finfo(p.dtype).tiny
+  return p / jnp.maximum(jnp.sum(p, -1, keepdims=True), tiny)
+
+
+def _search_full(policy: Certified, search, st: _Step, rng):
+  """The search over every block of every row (``search_row_partial``)."""
+  n = st.s.shape[-1]
+  bs = st.cache.block_size
+
+  def fn(*args):
+    return search_row_partial(
+      *args[:-1],
+      search=search,
+      eps=policy.eps,
+      scale=st.scale,
+      max_topk=policy.max_topk,
+      value_norms=args[-1],
+      block_summary_keys=2,  # the block's box: 2 d floats
+    )
+
+  s, keep, _, part = _search_rows(fn, st, rng, *_block_bounds(st))
+  capacity = min(n, policy.max_topk or max(1, int(n * CERTIFIED_CAPACITY)))
+  o = _kept_values_fn(keep, st.cache.values, capacity)(_kept_weights(s, keep))
   part = dataclasses.replace(part, o=o)
-  return _final(st, part, n_terms=n + n // bs, failure_prob=policy.failure_prob)
+  fp = search.failure_prob
+  return _final(st, part, n_terms=n + n // bs, failure_prob=fp)
+
+
+def _search_compact(
+  policy: Certified, search, st: _Step, rng, fallback, *, extra=0
+):
+  """The search of every row within ``SEARCH_CAPACITY`` of its blocks
+  (``search_row_compact``: work for the scored blocks only), finished
+  (``finish_compact``; ``extra`` products added to ``keys_scored``) where
+  every row certified within them, else ``fallback()``; ``fallback()``
+  itself where the capacity is every block."""
+  b, hk, g, n = st.s.shape
+  bs = st.cache.block_size
+  nb = n // bs
+  cap = max(1, int(nb * SEARCH_CAPACITY))
+  if cap >= nb:
+    return fallback()
+  u, cnt = _block_bounds(st)
+
+  def score(*args):
+    return search_row_compact(
+      *args[:-1],
+      search=search,
+      eps=policy.eps,
+      scale=st.scale,
+      capacity=cap,
+    )
+
+  rs = _search_rows(score, st, rng, u, cnt)
+
+  def finish():
+    valid = st.valid  # [b, 1, 1 or g, n]
+    vn = st.cache.value_norms[:, :, None]  # [b, hk, 1, n]
+    real = valid.reshape(*valid.shape[:3], nb, bs)
+    norms = jnp.where(real, vn.reshape(b, hk, 1, nb, bs), 0.0)
+    s, keep, _, pos, part = finish_compact(
+      rs,
+      valid,
+      cnt,
+      max_topk=policy.max_topk,
+      value_norms=vn,
+      block_norms=core.max_nan(norms, -1),  # [b, hk, 1 or g, nb]
+      block_summary_keys=2,  # the block's box: 2 d floats
+    )
+    capacity = min(n, policy.max_topk or max(1, int(n * CERTIFIED_CAPACITY)))
+    value_fn = _values_at(st, pos, keep, capacity, may_exceed=True)
+    part = dataclasses.replace(part, o=value_fn(_kept_weights(s, keep)))
+    fp = search.failure_prob
+    out, cert, lse = _final(st, part, n_terms=n + n // bs, failure_prob=fp)
+    return out, _plus_scored(cert, extra), lse
+
+  return lax.cond(jnp.all(rs.certified), finish, fallback)
 
 
 # ------------------------------------------------------------- key codes
@@ -1050,10 +1158,21 @@ def _codes_rows(
     out, cert, lse = _finish(st, _full_row(st, st.real, st.s.shape[-1]))
     return out, _plus_scored(cert, x), lse
 
+  def boxes_first(fallback):
+    """Concentrated rows: Delta-Search over the block boxes within
+    ``SEARCH_CAPACITY`` of the blocks, ``fallback`` where a row needs
+    more (loose boxes)."""
+    st = _step(query, cache, scale, **kw)
+    delta = DeltaSearch(cache.block_size)
+    return _search_compact(policy, delta, st, None, fallback, extra=x)
+
   if not _codes_pay(query, cache):  # choices _EXACT or _ALL only
-    return lax.cond(jnp.max(choice) == _ALL, keep_all, exact)
+    concentrated = functools.partial(boxes_first, exact)
+    return lax.cond(jnp.max(choice) == _ALL, keep_all, concentrated)
   # Indexed by _CODES, _EXACT, _ALL.
-  return lax.switch(jnp.max(choice), (codes, exact, keep_all))
+  choose = functools.partial(lax.switch, jnp.max(choice))
+  concentrated = functools.partial(boxes_first, lambda: choose((codes, exact)))
+  return lax.cond(jnp.max(choice) == _ALL, keep_all, concentrated)
 
 
 def _plus_scored(cert: Certificate, extra) -> Certificate:

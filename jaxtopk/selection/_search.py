@@ -30,6 +30,8 @@ stops per row (Pallas) turns into time; the XLA path's wall time is bounded
 by the slowest row.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -40,12 +42,44 @@ from jaxtopk.selection import core
 from jaxtopk.selection import threshold
 
 
-def scored_search_row(q, kb, vb, log_mass, *, scale, log_eps, margin):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TableBlocks:
+  """One row's key blocks where they lie in a shared pool of pages: block
+  j is ``pool[table[j], head]`` (a paged cache's pages). A search reads the
+  blocks it scores and nothing else (an array ``[nb, bs, d]`` of blocks
+  would be a copy of the row).
+
+  Attributes:
+    pool: ``[pages, heads, bs, d]`` keys of every page.
+    table: ``[nb]`` int32 page of each block of the row.
+    head: ``[]`` int32 the row's head.
+  """
+
+  pool: jax.Array
+  table: jax.Array
+  head: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    return (self.table.shape[0], *self.pool.shape[2:])
+
+  def __getitem__(self, idx) -> jax.Array:
+    """``blocks[j]`` ``[bs, d]``; ``blocks[j, pos]`` keys of blocks ``j``
+    at in-block positions ``pos`` (broadcast index arrays)."""
+    j, *rest = idx if isinstance(idx, tuple) else (idx,)
+    return self.pool[(self.table[j], self.head, *rest)]
+
+
+def scored_search_row(
+  q, kb, vb, log_mass, *, scale, log_eps, margin, capacity=None
+):
   """Scores blocks of one row in decreasing ``log_mass`` until certified.
 
   Args:
     q: ``[d]`` query (compute dtype).
-    kb: ``[nb, bs, d]`` keys in blocks.
+    kb: ``[nb, bs, d]`` keys in blocks (any float dtype; each block is cast
+      to ``q``'s when read), or a ``TableBlocks``.
     vb: ``[nb, bs]`` bool real keys.
     log_mass: ``[nb]`` log of a sound upper bound on each block's mass
       sum_i e^{s_i} (-inf for empty blocks).
@@ -53,40 +87,57 @@ def scored_search_row(q, kb, vb, log_mass, *, scale, log_eps, margin):
     log_eps: log of the budget eps.
     margin: log margin the search aims below eps
       (``core.search_log_margin``).
+    capacity: static, at most this many blocks are scored (None: every
+      block). A row that cannot certify within ``capacity`` blocks (the
+      blocks past them hold too much bound even if the first ones held all
+      of theirs) scores none.
 
   Returns:
-    ``(buf, scored_block, log_unscored)``: ``buf`` ``[nb, bs]`` logits of
-    the scored blocks (0 elsewhere), ``scored_block`` ``[nb]`` bool and the
-    log of the summed ``log_mass`` of the unscored blocks.
+    ``(buf, blocks, scored, log_unscored, certified)``: ``buf`` ``[c,
+    bs]`` logits of the scored blocks in scoring order (0 past the last
+    scored), ``blocks`` ``[c]`` the block each row of ``buf`` holds (``c``
+    = capacity or nb), ``scored`` ``[nb]`` bool the scored blocks, the log
+    of the summed ``log_mass`` of the unscored blocks and whether the
+    search certified.
   """
   nb, bs, _ = kb.shape
+  c = nb if capacity is None else min(capacity, nb)
   dt = q.dtype
-  order = jnp.argsort(-log_mass)  # [nb] blocks, largest bound first
-  w = log_mass[order]
-  # suffix[j] = log sum of the bounds of blocks order[j:], suffix[nb] = -inf
-  suffix = lax.cumlogsumexp(w, axis=0, reverse=True)
-  suffix = jnp.concatenate([suffix, jnp.full((1,), -jnp.inf, dt)])
+  w, order = lax.top_k(log_mass, c)  # the c largest bounds, decreasing
+  in_top = jnp.zeros((nb,), bool).at[order].set(True)
+  rest = logsumexp(log_mass, where=~in_top & (log_mass > -jnp.inf))
+  # suffix[j] = log sum of the bounds of blocks order[j:] and of the blocks
+  # past the first c (``rest``); an estimate that only decides when to
+  # stop (the unscored mass returned is summed afresh).
+  suffix = jnp.logaddexp(lax.cumlogsumexp(w, axis=0, reverse=True), rest)
+  suffix = jnp.concatenate([suffix, rest[None]])
   target = log_eps - margin
 
   def certified(j, lse_s):
     un = suffix[j]
     return un - jnp.logaddexp(lse_s, un) <= target
 
+  reach = jnp.int32(c)
+  if c < nb:  # scored mass at most the bounds' (a necessary condition)
+    reach = jnp.where(certified(c, logsumexp(w)), reach, 0)
+
   def cond(state):
     j, lse_s, _ = state
-    return (j < nb) & ~certified(j, lse_s)
+    return (j < reach) & ~certified(j, lse_s)
 
   def body(state):
     j, lse_s, buf = state
     blk = order[j]
-    s = jnp.matmul(kb[blk], q, precision=core.PRECISION) * scale  # [bs]
+    k = kb[blk].astype(dt)
+    s = jnp.matmul(k, q, precision=core.PRECISION) * scale  # [bs]
     lse_b = logsumexp(s, where=vb[blk] & (s > -jnp.inf))
-    return j + 1, jnp.logaddexp(lse_s, lse_b), buf.at[blk].set(s)
+    return j + 1, jnp.logaddexp(lse_s, lse_b), buf.at[j].set(s)
 
-  init = (jnp.int32(0), jnp.asarray(-jnp.inf, dt), jnp.zeros((nb, bs), dt))
-  j, _, buf = lax.while_loop(cond, body, init)
-  rank = jnp.zeros((nb,), jnp.int32).at[order].set(jnp.arange(nb))
-  return buf, rank < j, suffix[j]
+  init = (jnp.int32(0), jnp.asarray(-jnp.inf, dt), jnp.zeros((c, bs), dt))
+  j, lse_s, buf = lax.while_loop(cond, body, init)
+  scored = jnp.zeros((nb,), bool).at[order].set(jnp.arange(c) < j)
+  log_un = logsumexp(log_mass, where=~scored & (log_mass > -jnp.inf))
+  return buf, order, scored, log_un, certified(j, lse_s)
 
 
 def _keep_row(buf, scored, log_unscored, *, log_eps, margin, max_topk):
@@ -97,7 +148,8 @@ def _keep_row(buf, scored, log_unscored, *, log_eps, margin, max_topk):
   )
   if max_topk is not None and max_topk < buf.shape[-1]:
     capped = threshold.topk_mask(buf, max_topk, real)
-    keep = jnp.where(jnp.sum(keep) > max_topk, capped, keep)
+    over = jnp.sum(keep, -1, keepdims=True) > max_topk
+    keep = jnp.where(over, capped, keep)
   return keep & real
 
 
@@ -186,7 +238,7 @@ def _mc_log_mass_row(q, kb, vb, u, cnt, rng, *, scale, num_samples, delta):
   r = jax.random.randint(rng, (nb, m), 0, jnp.maximum(cnt, 1)[:, None])
   csum = jnp.cumsum(vb, axis=-1)  # [nb, bs]
   pos = jnp.sum(csum[:, None, :] <= r[..., None], axis=-1)  # [nb, m]
-  ks = jnp.take_along_axis(kb, pos[..., None], axis=1)  # [nb, m, d]
+  ks = kb[jnp.arange(nb)[:, None], pos].astype(dt)  # [nb, m, d]
   s = jnp.matmul(ks, q, precision=core.PRECISION) * scale  # [nb, m]
   c = jnp.max(jnp.where(cnt > 0, u, -jnp.inf))
   c = jnp.where(jnp.isfinite(c), c, 0.0)
@@ -238,6 +290,90 @@ def mc_log_mass_row(q, kb, vb, u, cnt, rng, *, scale, num_samples, delta):
   )
 
 
+def _row_bounds(q, kb, vb, u, cnt, logit_error, rng, *, search, eps, scale):
+  """What a row's search starts from: ``(log_mass, u_eff, samples, delta,
+  log_eps, margin)``, the blocks' mass bounds (Delta: |B| e^{u_b}; MC: the
+  sampled bound) and per-key levels, the MC samples drawn, and the rounding
+  terms of the certified condition."""
+  nb = kb.shape[0]
+  dt = q.dtype
+  delta = jnp.asarray(logit_error, dt)
+  log_eps = jnp.log(jnp.asarray(eps, dt))
+  margin = core.search_log_margin(nb * kb.shape[1] + nb, delta, dt)
+  if search.name == "delta":
+    log_mass = jnp.where(
+      cnt > 0, u + jnp.log(jnp.maximum(cnt, 1).astype(dt)), -jnp.inf
+    )
+    return log_mass, u, jnp.int32(0), delta, log_eps, margin
+  if search.name != "mc":
+    raise ValueError(f"{search=} must be DeltaSearch or MCSearch")
+  log_mass, u_eff = _mc_log_mass_row(
+    q,
+    kb,
+    vb,
+    u,
+    cnt,
+    rng,
+    scale=scale,
+    num_samples=search.num_samples,
+    delta=search.failure_prob,
+  )
+  samples = search.num_samples * jnp.sum(cnt > 0).astype(jnp.int32)
+  return log_mass, u_eff, samples, delta, log_eps, margin
+
+
+def _row_partial(
+  buf,
+  scored,
+  vn,
+  scored_blocks,
+  log_un,
+  u_eff,
+  cnt,
+  block_norms,
+  *,
+  delta,
+  log_eps,
+  margin,
+  max_topk,
+  extra_scored,
+):
+  """The kept set and PartialSoftmax of searched rows (``[..., n]``):
+  ``buf``, ``scored`` and ``vn`` (or None) over the scored keys, in any
+  order; the unscored blocks' bounds in the tail."""
+  keep = _keep_row(
+    buf,
+    scored,
+    log_un,
+    log_eps=log_eps,
+    margin=margin,
+    max_topk=max_topk,
+  )
+  n_sc = jnp.sum(jnp.where(scored_blocks, cnt, 0), -1).astype(jnp.int32)
+  part = core.PartialSoftmax.from_logits(
+    buf,
+    keep,
+    scored,
+    logit_error=delta,
+    value_norms=vn,
+    keys_scored=n_sc + extra_scored,
+  )
+  part = part.add_tail(
+    u_eff + jnp.log(jnp.maximum(cnt, 1).astype(buf.dtype)),
+    ~scored_blocks & (cnt > 0),
+    norms=block_norms,
+  )
+  return keep, part
+
+
+def _block_norms(value_norms, vb):
+  """``[nb]`` largest value norm of each block's real keys (NaN kept)."""
+  if value_norms is None:
+    return None
+  vn = jnp.where(vb, value_norms.reshape(vb.shape), 0.0)
+  return core.max_nan(vn, -1)
+
+
 def search_row_partial(
   q,
   keys,
@@ -258,7 +394,8 @@ def search_row_partial(
 
   Args:
     q: ``[d]`` query (compute dtype).
-    keys: ``[n, d]`` keys (n a multiple of ``search.block_size``).
+    keys: ``[n, d]`` keys (n a multiple of ``search.block_size``), or a
+      ``TableBlocks`` of the row's blocks.
     valid: ``[n]`` bool.
     u: ``[nb]`` sound bounds on the block's EXACT logits (-inf for empty
       blocks; add the logit error to bounds computed from flushed inputs).
@@ -278,71 +415,162 @@ def search_row_partial(
   Returns:
     ``(logits, keep, scored, partial)``: ``[n]`` logits (0 where not
     scored), ``[n]`` bool kept and scored keys, and the row's
-    ``core.PartialSoftmax`` (every scored key, plus the unscored blocks' bounds
-    in
-    its tail; ``keys_scored`` counts q.k products, MC samples and the
-    block summaries included).
+    ``core.PartialSoftmax`` (every scored key, plus the unscored blocks'
+    bounds in its tail; ``keys_scored`` counts q.k products, MC samples and
+    the block summaries included).
   """
-  n, d = keys.shape
-  block_size = search.block_size
-  nb = n // block_size
-  dt = q.dtype
-  kb = keys.astype(dt).reshape(nb, block_size, d)
-  vb = valid.reshape(nb, block_size)
-  delta = jnp.asarray(logit_error, dt)
-  log_eps = jnp.log(jnp.asarray(eps, dt))
-  margin = core.search_log_margin(n + nb, delta, dt)
-  n_samp = jnp.int32(0)
-  if search.name == "delta":
-    log_mass = jnp.where(
-      cnt > 0, u + jnp.log(jnp.maximum(cnt, 1).astype(dt)), -jnp.inf
-    )
-    u_eff = u
-  elif search.name == "mc":
-    log_mass, u_eff = _mc_log_mass_row(
-      q,
-      kb,
-      vb,
-      u,
-      cnt,
-      rng,
-      scale=scale,
-      num_samples=search.num_samples,
-      delta=search.failure_prob,
-    )
-    n_samp = search.num_samples * jnp.sum(cnt > 0).astype(jnp.int32)
-  else:
-    raise ValueError(f"{search=} must be DeltaSearch or MCSearch")
-  buf, sblk, log_un = scored_search_row(
+  bs = search.block_size
+  kb = _as_blocks(keys, bs)
+  nb = kb.shape[0]
+  vb = valid.reshape(nb, bs)
+  log_mass, u_eff, samples, delta, log_eps, margin = _row_bounds(
+    q, kb, vb, u, cnt, logit_error, rng, search=search, eps=eps, scale=scale
+  )
+  cbuf, blocks, sblk, log_un, _ = scored_search_row(
     q, kb, vb, log_mass, scale=scale, log_eps=log_eps, margin=margin
   )
+  buf = jnp.zeros_like(cbuf).at[blocks].set(cbuf)  # [nb, bs], key order
   scored = (sblk[:, None] & vb).reshape(-1)
   buf = buf.reshape(-1)
-  keep = _keep_row(
+  keep, part = _row_partial(
     buf,
     scored,
+    value_norms,
+    sblk,
     log_un,
+    u_eff,
+    cnt,
+    _block_norms(value_norms, vb),
+    delta=delta,
     log_eps=log_eps,
     margin=margin,
     max_topk=max_topk,
-  )
-  n_sc = jnp.sum(jnp.where(sblk, cnt, 0)).astype(jnp.int32)
-  part = core.PartialSoftmax.from_logits(
-    buf,
-    keep,
-    scored,
-    logit_error=delta,
-    value_norms=value_norms,
-    keys_scored=n_sc + n_samp + block_summary_keys * jnp.sum(cnt > 0),
-  )
-  unscored = ~sblk & (cnt > 0)
-  block_norms = None
-  if value_norms is not None:
-    vn = jnp.where(vb, value_norms.reshape(nb, block_size), 0.0)
-    block_norms = core.max_nan(vn, -1)  # [nb]
-  part = part.add_tail(
-    u_eff + jnp.log(jnp.maximum(cnt, 1).astype(dt)),
-    unscored,
-    norms=block_norms,
+    extra_scored=samples + block_summary_keys * jnp.sum(cnt > 0, -1),
   )
   return buf, keep, scored, part
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSearch:
+  """Rows searched within a capacity of blocks (``search_row_compact``),
+  before their kept set is chosen (``finish_compact``); leading ``[...]``.
+
+  Attributes:
+    logits: ``[..., c, bs]`` logits of the scored blocks in scoring order
+      (0 past the last scored).
+    blocks: ``[..., c]`` int32 the block each row of ``logits`` holds.
+    scored_blocks: ``[..., nb]`` bool.
+    log_unscored: ``[...]`` log of the unscored blocks' summed bounds.
+    certified: ``[...]`` bool, the row certified within the capacity.
+    u_eff: ``[..., nb]`` per-key bound level of each block (its tail term).
+    samples: ``[...]`` int32 MC samples drawn.
+    logit_error, log_eps, margin: ``[...]`` the rounding terms.
+  """
+
+  logits: jax.Array
+  blocks: jax.Array
+  scored_blocks: jax.Array
+  log_unscored: jax.Array
+  certified: jax.Array
+  u_eff: jax.Array
+  samples: jax.Array
+  logit_error: jax.Array
+  log_eps: jax.Array
+  margin: jax.Array
+
+
+def search_row_compact(
+  q, keys, valid, u, cnt, logit_error, rng, *, search, eps, scale, capacity
+) -> RowSearch:
+  """``search_row_partial``'s scoring, at most ``capacity`` blocks and
+  nothing kept of the others: work and memory O(capacity blocks), not
+  O(n), where a row certifies early (a concentrated row). Args as
+  ``search_row_partial``'s; ``capacity`` static. A row that does not
+  certify within ``capacity`` blocks is not a search's result (run
+  ``search_row_partial``); else ``finish_compact`` chooses its kept set."""
+  bs = search.block_size
+  kb = _as_blocks(keys, bs)
+  vb = valid.reshape(kb.shape[0], bs)
+  log_mass, u_eff, samples, delta, log_eps, margin = _row_bounds(
+    q, kb, vb, u, cnt, logit_error, rng, search=search, eps=eps, scale=scale
+  )
+  cbuf, blocks, sblk, log_un, ok = scored_search_row(
+    q,
+    kb,
+    vb,
+    log_mass,
+    scale=scale,
+    log_eps=log_eps,
+    margin=margin,
+    capacity=capacity,
+  )
+  return RowSearch(
+    cbuf, blocks, sblk, log_un, ok, u_eff, samples, delta, log_eps, margin
+  )
+
+
+def finish_compact(
+  rs: RowSearch,
+  valid,
+  cnt,
+  *,
+  max_topk=None,
+  value_norms=None,
+  block_norms=None,
+  block_summary_keys=0,
+):
+  """The kept set and PartialSoftmax of rows ``rs`` (batched, ``[...]``).
+
+  Args:
+    rs: the rows' ``RowSearch``.
+    valid: ``[..., n]`` bool real keys (broadcast against the rows).
+    cnt: ``[..., nb]`` int32 real keys per block.
+    max_topk: optional cap on the kept set.
+    value_norms: optional ``[..., n]`` value norms (broadcast).
+    block_norms: ``[..., nb]`` largest value norm of each block's real keys
+      (required with ``value_norms``).
+    block_summary_keys: as ``search_row_partial``'s.
+
+  Returns:
+    ``(logits, keep, scored, positions, partial)``: ``[..., c bs]`` logits,
+    kept and scored flags of the scored blocks' keys (scoring order), their
+    positions in the row, and the rows' PartialSoftmax.
+  """
+  lead, (c, bs) = rs.logits.shape[:-2], rs.logits.shape[-2:]
+  pos = rs.blocks[..., None] * bs + jnp.arange(bs)  # [..., c, bs]
+  pos = pos.reshape(*lead, c * bs)
+
+  def at(x):  # x [..., n] at pos, broadcast to the rows
+    x = jnp.broadcast_to(x, (*lead, x.shape[-1]))
+    return jnp.take_along_axis(x, pos, -1)
+
+  sblk = jnp.take_along_axis(rs.scored_blocks, rs.blocks, -1)  # [..., c]
+  scored = at(valid) & jnp.repeat(sblk, bs, -1)
+  vn = None if value_norms is None else at(value_norms)
+  buf = rs.logits.reshape(*lead, c * bs)
+  keep, part = _row_partial(
+    buf,
+    scored,
+    vn,
+    rs.scored_blocks,
+    rs.log_unscored,
+    rs.u_eff,
+    cnt,
+    block_norms,
+    delta=rs.logit_error,
+    log_eps=rs.log_eps,
+    margin=rs.margin,
+    max_topk=max_topk,
+    extra_scored=rs.samples + block_summary_keys * jnp.sum(cnt > 0, -1),
+  )
+  return buf, keep, scored, pos, part
+
+
+def _as_blocks(keys, block_size):
+  """``[nb, bs, d]`` blocks of ``[n, d]`` keys (a view); a ``TableBlocks``
+  as it is."""
+  if isinstance(keys, TableBlocks):
+    return keys
+  n, d = keys.shape
+  return keys.reshape(n // block_size, block_size, d)

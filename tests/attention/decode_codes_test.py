@@ -207,6 +207,35 @@ class AutoDecodeTest(parameterized.TestCase):
       choice, _ = _decode._sample_choice(policy, query, c, d**-0.5)
       self.assertEqual(int(choice[0, 0]), want, (query.shape, type(c.keys)))
 
+  def test_concentrated_rows_over_tight_boxes_take_the_box_search(self):
+    # Keys in tight clusters of one block each, queries aimed at one: the
+    # block boxes certify within SEARCH_CAPACITY of the blocks, so Auto
+    # scores those blocks only, over a paged cache with 1 query head per kv
+    # head (the codes' fallback) and a contiguous one with 4 (the exact
+    # search's).
+    rng = np.random.default_rng(5)
+    d, ps = 8, 64
+    centre = rng.normal(size=(self.N // ps, d)) * 2
+    k = np.repeat(centre, ps, 0) + 0.05 * rng.normal(size=(self.N, d))
+    k = jnp.float32(k)[None, :, None]  # [1, N, 1, d]
+    policy = jaxtopk.Certified(0.05)
+    cache = jaxtopk.KVCache.create(1, self.N, 1, d, value_dim=self.N)
+    eye = jnp.eye(self.N, dtype=jnp.float32)[None, :, None]
+    cache = cache.append(k, eye)
+    paged = jaxtopk.PagedKVCache.create(
+      1, self.N // ps, ps, 1, d, max_pages_per_seq=self.N // ps,
+      value_dim=self.N,
+    ).append(k, eye)  # fmt: skip
+    for g, c in ((1, paged), (4, cache)):
+      q = np.float32(np.stack([centre[3 + 3 * i] * 6.0 for i in range(g)]))
+      out, cert = jaxtopk.decode_attention(
+        jnp.asarray(q)[None, None], c, policy=policy
+      )
+      scored = np.asarray(cert.keys_scored[0, 0])
+      bound = (_decode.SEARCH_CAPACITY + 0.1) * self.N
+      self.assertTrue(np.all(scored < bound), (g, type(c), scored))
+      _check_row(self, out, cert, q, k[0, :, 0], self.N, policy, jnp.float32)
+
   def test_platforms_without_the_codes_run_the_exact_search(self):
     rng = np.random.default_rng(2)
     d = 8
