@@ -722,18 +722,17 @@ def _certified_exact(policy: Certified, st: _Step):
 
 
 def _certified_search(policy: Certified, st: _Step, rng):
-  """Delta- or MC-Search (``policy.search``) of every row: first scoring at
-  most ``SEARCH_CAPACITY`` of the blocks (``_search_compact``: work for
-  the scored blocks only), the whole row where some row needs more."""
+  """Delta- or MC-Search (``policy.search``) of every row over every block
+  (``_search_full``). (Auto's box stage, ``_search_compact``, stops a row
+  at a share of its blocks; a search that must go on would score those
+  blocks twice.)"""
   bs = st.cache.block_size
   if policy.block_size != bs:
     raise ValueError(
       f"Certified.block_size={policy.block_size} must equal the cache's"
       f" block_size={bs} for search={policy.search.name!r}"
     )
-  search = policy.search
-  full = functools.partial(_search_full, policy, search, st, rng)
-  return _search_compact(policy, search, st, rng, full)
+  return _search_full(policy, policy.search, st, rng)
 
 
 def _block_bounds(st: _Step):
@@ -815,8 +814,9 @@ def _search_compact(
   """The search of every row within ``SEARCH_CAPACITY`` of its blocks
   (``search_row_compact``: work for the scored blocks only), finished
   (``finish_compact``; ``extra`` products added to ``keys_scored``) where
-  every row certified within them, else ``fallback()``; ``fallback()``
-  itself where the capacity is every block."""
+  every row certified within them, else ``fallback()`` (the attempt's
+  products added); ``fallback()`` itself where the capacity is every
+  block."""
   b, hk, g, n = st.s.shape
   bs = st.cache.block_size
   nb = n // bs
@@ -835,6 +835,14 @@ def _search_compact(
     )
 
   rs = _search_rows(score, st, rng, u, cnt)
+  # What the attempt computed (the boxes: 2 d floats per block; the scored
+  # blocks; MC samples) counts where the fallback runs.
+  tried = jnp.sum(jnp.where(rs.scored_blocks, cnt, 0), -1)
+  tried = tried + 2 * jnp.sum(cnt > 0, -1) + rs.samples
+
+  def fall_back():
+    out, cert, lse = fallback()
+    return out, _plus_scored(cert, tried), lse
 
   def finish():
     valid = st.valid  # [b, 1, 1 or g, n]
@@ -857,7 +865,7 @@ def _search_compact(
     out, cert, lse = _final(st, part, n_terms=n + n // bs, failure_prob=fp)
     return out, _plus_scored(cert, extra), lse
 
-  return lax.cond(jnp.all(rs.certified), finish, fallback)
+  return lax.cond(jnp.all(rs.certified), finish, fall_back)
 
 
 # ------------------------------------------------------------- key codes

@@ -88,9 +88,10 @@ def scored_search_row(
     margin: log margin the search aims below eps
       (``core.search_log_margin``).
     capacity: static, at most this many blocks are scored (None: every
-      block). A row that cannot certify within ``capacity`` blocks (the
-      blocks past them hold too much bound even if the first ones held all
-      of theirs) scores none.
+      block), and at most that share (capacity / nb) of the row's
+      non-empty blocks. A row stops as soon as it cannot certify within its
+      share (the blocks past it would hold too much bound even if the
+      unscored ones of it held all of theirs).
 
   Returns:
     ``(buf, blocks, scored, log_unscored, certified)``: ``buf`` ``[c,
@@ -112,18 +113,26 @@ def scored_search_row(
   suffix = jnp.logaddexp(lax.cumlogsumexp(w, axis=0, reverse=True), rest)
   suffix = jnp.concatenate([suffix, rest[None]])
   target = log_eps - margin
+  # The row's share of the capacity: c / nb of its non-empty blocks.
+  full = jnp.sum(log_mass > -jnp.inf)
+  reach = jnp.clip((full * c + nb - 1) // nb, 1, c).astype(jnp.int32)
+  inside = jnp.arange(c) < reach
+  top = lax.cumlogsumexp(jnp.where(inside, w, -jnp.inf), reverse=True)
+  top = jnp.concatenate([top, jnp.full((1,), -jnp.inf, dt)])  # order[j:reach]
+  past = jnp.logaddexp(rest, logsumexp(jnp.where(inside, -jnp.inf, w)))
 
   def certified(j, lse_s):
     un = suffix[j]
     return un - jnp.logaddexp(lse_s, un) <= target
 
-  reach = jnp.int32(c)
-  if c < nb:  # scored mass at most the bounds' (a necessary condition)
-    reach = jnp.where(certified(c, logsumexp(w)), reach, 0)
+  def hopeful(j, lse_s):
+    """Could the row certify within its share, the unscored blocks of it
+    holding their whole bound? (Else it stops: it will not.)"""
+    return past - jnp.logaddexp(jnp.logaddexp(lse_s, top[j]), past) <= target
 
   def cond(state):
     j, lse_s, _ = state
-    return (j < reach) & ~certified(j, lse_s)
+    return (j < reach) & ~certified(j, lse_s) & hopeful(j, lse_s)
 
   def body(state):
     j, lse_s, buf = state

@@ -278,33 +278,39 @@ class DecodeTest(parameterized.TestCase):
     )
     self.assertTrue(np.all(cert.output_error_bound + 1e-5 >= err))
 
-  @parameterized.parameters(1.0, 1 / 32)
-  def test_compact_search_equals_the_search_of_every_block(self, capacity):
-    # Rows that certify within SEARCH_CAPACITY of the blocks are finished
-    # from the scored blocks only; a batch with a row that needs more (a
-    # capacity of one block here) runs the search of every block. Both
-    # equal the search of every block (capacity 1.0: no compact form).
+  def test_compact_search_equals_the_search_of_every_block(self):
+    # Auto's box stage: rows that certify within SEARCH_CAPACITY of their
+    # blocks are finished from the scored blocks only (else the fallback
+    # runs). Its result equals the search of every block, less the boxes'
+    # cost counted twice.
     _, cache, k, _ = _filled_cache(clustered=True)
     # Each query aims at one key of its kv head's first 13 (within every
     # row's length): a row's mass in a block or two.
     pos = np.arange(H) % 13
     q = 8 * np.asarray(k)[:, pos, np.arange(H) // (H // HKV)][:, None]
     policy = jaxtopk.Certified(0.05, jaxtopk.DeltaSearch(BS))
-    out = {}
-    for cap in (capacity, _decode.SEARCH_CAPACITY):
-      _decode._xla_decode.clear_cache()
-      with mock.patch.object(_decode, "SEARCH_CAPACITY", cap):
-        out[cap] = jaxtopk.decode_attention(q, cache, policy=policy)
-    _decode._xla_decode.clear_cache()
-    (o1, c1), (o2, c2) = out[capacity], out[_decode.SEARCH_CAPACITY]
+    scale = D**-0.5
+
+    def run(compact):
+      st = _decode._step(jnp.asarray(q), cache, scale)
+      full = lambda: _decode._search_full(policy, policy.search, st, None)  # noqa: E731
+      if not compact:
+        return full()
+      nothing = lambda: jax.tree.map(lambda x: jnp.full_like(x, -1), full())  # noqa: E731
+      return _decode._search_compact(policy, policy.search, st, None, nothing)
+
+    (o1, c1, _), (o2, c2, _) = (
+      jax.jit(run, static_argnums=0)(True),
+      jax.jit(run, static_argnums=0)(False),
+    )
     np.testing.assert_array_equal(c1.keys_scored, c2.keys_scored)
     np.testing.assert_array_equal(c1.k_kept, c2.k_kept)
     np.testing.assert_allclose(c1.tv_bound, c2.tv_bound, rtol=1e-6)
     np.testing.assert_allclose(o1, o2, rtol=1e-5, atol=1e-6)
-    # Every row certifies within the default capacity (keys_scored counts
-    # the scored blocks' keys and 2 per block for the boxes).
+    # Every row certified within the capacity (keys_scored counts the
+    # scored blocks' keys and 2 per block for the boxes).
     most = _decode.SEARCH_CAPACITY * N + 2 * N // BS
-    self.assertLessEqual(int(np.max(c2.keys_scored)), most)
+    self.assertLessEqual(int(np.max(c1.keys_scored)), most)
 
   def test_empty_row_is_zero_and_invalid(self):
     # The shapes and policies of test_matches_topk_attention (its compiled
