@@ -39,8 +39,11 @@ tied keys left out.
 
 Certified(search='delta'|'mc') scores cache blocks in the order of their
 box bounds and stops by the THEORY 6.2 rule (``keys_scored`` reports the
-products needed, and 2 key-equivalents per block for the box read). Every
-strategy honours ``Certified.max_topk``.
+products needed, and 2 key-equivalents per block for the box read).
+``Auto`` on rows its sample calls concentrated tries the same over at most
+``SEARCH_CAPACITY`` of each row's blocks first (``_box_search``: work and
+memory for the scored blocks only, a paged cache's pages read where
+scored). Every strategy honours ``Certified.max_topk``.
 """
 
 import dataclasses
@@ -100,9 +103,8 @@ CERTIFIED_CAPACITY = 1 / 32
 # A kept set this many times smaller than the capacity gathers that many
 # slots (``_values_at``).
 GATHER_TIERS = 8
-# Blocks a certified search scores before it gives up on the compact form
-# (``_search_compact``), as a fraction of the cache's blocks: a row that
-# needs more runs the search over every block.
+# Auto's box stage (``_box_search``) scores at most this share of a row's
+# blocks; a batch with a row that needs more goes on as without it.
 SEARCH_CAPACITY = 1 / 8
 # Caches shorter than CANDIDATE_MIN_KEYS take the full-row path of the
 # fixed counts and of Certified's exact search directly (no bracket, no
@@ -723,9 +725,9 @@ def _certified_exact(policy: Certified, st: _Step):
 
 def _certified_search(policy: Certified, st: _Step, rng):
   """Delta- or MC-Search (``policy.search``) of every row over every block
-  (``_search_full``). (Auto's box stage, ``_search_compact``, stops a row
-  at a share of its blocks; a search that must go on would score those
-  blocks twice.)"""
+  (``_search_full``). (Auto's box stage, ``_box_search``, stops a row at a
+  share of its blocks: a search that had to go on would score those blocks
+  twice.)"""
   bs = st.cache.block_size
   if policy.block_size != bs:
     raise ValueError(
@@ -808,18 +810,17 @@ def _search_full(policy: Certified, search, st: _Step, rng):
   return _final(st, part, n_terms=n + n // bs, failure_prob=fp)
 
 
-def _search_compact(
-  policy: Certified, search, st: _Step, rng, fallback, *, extra=0
-):
-  """The search of every row within ``SEARCH_CAPACITY`` of its blocks
-  (``search_row_compact``: work for the scored blocks only), finished
-  (``finish_compact``; ``extra`` products added to ``keys_scored``) where
-  every row certified within them, else ``fallback()`` (the attempt's
-  products added); ``fallback()`` itself where the capacity is every
-  block."""
+def _box_search(policy: Certified, st: _Step, fallback, *, extra=0):
+  """Delta-Search over the block boxes of every row within
+  ``SEARCH_CAPACITY`` of its blocks (``search_row_compact``: work for the
+  scored blocks only), finished (``finish_compact``; ``extra`` products
+  added to ``keys_scored``) where every row certified within them, else
+  ``fallback()`` (the attempt's products added); ``fallback()`` itself
+  where the capacity is every block."""
   b, hk, g, n = st.s.shape
   bs = st.cache.block_size
   nb = n // bs
+  search = DeltaSearch(bs)
   cap = max(1, int(nb * SEARCH_CAPACITY))
   if cap >= nb:
     return fallback()
@@ -834,11 +835,11 @@ def _search_compact(
       capacity=cap,
     )
 
-  rs = _search_rows(score, st, rng, u, cnt)
+  rs = _search_rows(score, st, None, u, cnt)
   # What the attempt computed (the boxes: 2 d floats per block; the scored
-  # blocks; MC samples) counts where the fallback runs.
+  # blocks) counts where the fallback runs.
   tried = jnp.sum(jnp.where(rs.scored_blocks, cnt, 0), -1)
-  tried = tried + 2 * jnp.sum(cnt > 0, -1) + rs.samples
+  tried = tried + 2 * jnp.sum(cnt > 0, -1)
 
   def fall_back():
     out, cert, lse = fallback()
@@ -861,8 +862,7 @@ def _search_compact(
     capacity = min(n, policy.max_topk or max(1, int(n * CERTIFIED_CAPACITY)))
     value_fn = _values_at(st, pos, keep, capacity, may_exceed=True)
     part = dataclasses.replace(part, o=value_fn(_kept_weights(s, keep)))
-    fp = search.failure_prob
-    out, cert, lse = _final(st, part, n_terms=n + n // bs, failure_prob=fp)
+    out, cert, lse = _final(st, part, n_terms=n + n // bs)
     return out, _plus_scored(cert, extra), lse
 
   return lax.cond(jnp.all(rs.certified), finish, fall_back)
@@ -1137,8 +1137,9 @@ def _codes_rows(
   ``_ALL``), batched: the codes when every row chose them, every key kept
   when some row looks flat (no ``max_topk``), the exact search otherwise;
   with more than ``AUTO_CODES_MAX_GROUP`` query heads per kv head no row
-  takes the codes (concentrated rows: the exact
-  search). Rows that drew a sample add its cost to ``keys_scored``.
+  takes the codes (concentrated rows: the exact search). A batch that
+  keeps no row whole tries the block boxes first (``_box_search``).
+  Rows that drew a sample add its cost to ``keys_scored``.
 
   No loop over rows: one branch per row (``lax.map``) copied every row's
   keys and values out of the cache, 4x dense on a mixed batch at n = 32K,
@@ -1167,12 +1168,11 @@ def _codes_rows(
     return out, _plus_scored(cert, x), lse
 
   def boxes_first(fallback):
-    """Concentrated rows: Delta-Search over the block boxes within
-    ``SEARCH_CAPACITY`` of the blocks, ``fallback`` where a row needs
-    more (loose boxes)."""
-    st = _step(query, cache, scale, **kw)
-    delta = DeltaSearch(cache.block_size)
-    return _search_compact(policy, delta, st, None, fallback, extra=x)
+    """Concentrated rows: the block boxes first (``_box_search``),
+    ``fallback`` where they are too loose."""
+    return _box_search(
+      policy, _step(query, cache, scale, **kw), fallback, extra=x
+    )
 
   if not _codes_pay(query, cache):  # choices _EXACT or _ALL only
     concentrated = functools.partial(boxes_first, exact)

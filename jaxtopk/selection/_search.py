@@ -113,9 +113,10 @@ def scored_search_row(
   suffix = jnp.logaddexp(lax.cumlogsumexp(w, axis=0, reverse=True), rest)
   suffix = jnp.concatenate([suffix, rest[None]])
   target = log_eps - margin
-  # The row's share of the capacity: c / nb of its non-empty blocks.
-  full = jnp.sum(log_mass > -jnp.inf)
-  reach = jnp.clip((full * c + nb - 1) // nb, 1, c).astype(jnp.int32)
+  reach = jnp.int32(nb)
+  if capacity is not None:  # the row's share: c / nb of its real blocks
+    full = jnp.sum(log_mass > -jnp.inf)
+    reach = jnp.clip((full * c + nb - 1) // nb, 1, c).astype(jnp.int32)
   inside = jnp.arange(c) < reach
   top = lax.cumlogsumexp(jnp.where(inside, w, -jnp.inf), reverse=True)
   top = jnp.concatenate([top, jnp.full((1,), -jnp.inf, dt)])  # order[j:reach]

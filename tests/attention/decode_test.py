@@ -297,7 +297,7 @@ class DecodeTest(parameterized.TestCase):
       if not compact:
         return full()
       nothing = lambda: jax.tree.map(lambda x: jnp.full_like(x, -1), full())  # noqa: E731
-      return _decode._search_compact(policy, policy.search, st, None, nothing)
+      return _decode._box_search(policy, st, nothing)
 
     (o1, c1, _), (o2, c2, _) = (
       jax.jit(run, static_argnums=0)(True),
