@@ -280,9 +280,9 @@ class DecodeTest(parameterized.TestCase):
 
   def test_compact_search_equals_the_search_of_every_block(self):
     # Auto's box stage: rows that certify within SEARCH_CAPACITY of their
-    # blocks are finished from the scored blocks only (else the fallback
-    # runs). Its result equals the search of every block, less the boxes'
-    # cost counted twice.
+    # blocks are finished from the scored blocks only (else the fallback,
+    # here a sentinel that fails the test, runs). The result equals the
+    # search of every block: kept set, cost, bound and output.
     _, cache, k, _ = _filled_cache(clustered=True)
     # Each query aims at one key of its kv head's first 13 (within every
     # row's length): a row's mass in a block or two.
