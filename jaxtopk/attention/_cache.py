@@ -209,9 +209,14 @@ class KVCache:
     pos = jnp.arange(self.max_len, dtype=jnp.int32)
     return (pos[None, :] < self.length[:, None])[:, None, :]
 
-  def box(self) -> BoxSummary:
-    """The key boxes as a theory BoxSummary (empty blocks: zero box)."""
+  def box(self, *, zero_empty: bool = True) -> BoxSummary:
+    """The key boxes as a theory BoxSummary. ``zero_empty``: empty blocks
+    get a zero box (as ``theory.box_summary``); False: they keep the
+    cache's initial +-inf, for readers that mask them by count
+    (``box_upper_bound_dot``: no copy of the boxes)."""
     cnt = jnp.broadcast_to(self.block_count(), self.vnorm.shape)
+    if not zero_empty:
+      return BoxSummary(kmin=self.kmin, kmax=self.kmax, count=cnt)
     empty = (cnt == 0)[..., None]
     return BoxSummary(
       kmin=jnp.where(empty, 0.0, self.kmin),

@@ -742,7 +742,7 @@ def _block_bounds(st: _Step):
   logits and ``[b, hk, g, nb]`` int32 positions per block. A block's box
   and count may hold positions past a row's prefix: they only bound more
   keys (sound); the row scores its real keys only."""
-  box = st.cache.box()  # [b, hk, nb, d]: einsums broadcast over the groups
+  box = st.cache.box(zero_empty=False)  # [b, hk, nb, d]: broadcast over g
   u = box_upper_bound_dot(st.q, box, scale=st.scale)  # [b, hk, g, nb]
   # Box bounds use the keys as read (subnormals as 0): widen by delta.
   u = u + st.delta[..., None]

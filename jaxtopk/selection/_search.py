@@ -208,17 +208,22 @@ def box_abs_dot(query, box, scale) -> jax.Array:
 
 
 def box_upper_bound_dot(query, box, *, scale) -> jax.Array:
-  """``theory.box_upper_bound`` written as dot products (same bound).
+  """``theory.box_upper_bound`` written as dot products.
 
   sum_c max(q_c m_c, q_c M_c) = q^+ . M - q^- . m with q^+ = max(q, 0) and
-  q^- = max(-q, 0), exactly; the float result gets the same
-  (d + 2) eps sum|terms| dot-product slack and a final relative round-up.
-  On XLA:CPU this runs ~50x faster than the broadcast-multiply-reduce form
-  for decode-sized caches (measured in BUILD_NOTES).
+  q^- = max(-q, 0), exactly; the float result gets a (d + 3) eps slack on a
+  bound of sum_c |terms_c| (||q||_1 times the block's largest |m_c|, |M_c|)
+  and a final relative round-up. On XLA:CPU this runs ~50x faster than the
+  broadcast-multiply-reduce form for decode-sized caches (measured in
+  BUILD_NOTES); the slack's bound is one fused reduction over the boxes,
+  where the exact sum_c |terms_c| (a dot with |M| and |m|) made copies of
+  both (4 x 8 MiB at 131,072 keys, 8 heads; docs/performance.md).
 
   Args:
     query: ``[..., g, d]``, g queries sharing the keys (GQA group).
-    box: BoxSummary with ``[..., n_blocks, d]`` arrays.
+    box: BoxSummary with ``[..., n_blocks, d]`` arrays; an empty block's box
+      is never read into the result (a cache's initial +-inf boxes need no
+      zeroing).
     scale: positive logit scale.
 
   Returns:
@@ -231,7 +236,9 @@ def box_upper_bound_dot(query, box, *, scale) -> jax.Array:
     "...gd,...nd->...gn", x, y, precision=core.PRECISION
   )
   u = ein(qp, box.kmax) - ein(qm, box.kmin)  # [..., nb]
-  abs_terms = ein(qp, jnp.abs(box.kmax)) + ein(qm, jnp.abs(box.kmin))
+  amax = core.max_nan(jnp.maximum(jnp.abs(box.kmin), jnp.abs(box.kmax)), -1)
+  q1 = jnp.sum(jnp.abs(q), -1)  # [..., g]
+  abs_terms = q1[..., None] * amax[..., None, :]  # >= sum_c |terms_c|
   d = q.shape[-1]
   eps = jnp.finfo(dt).eps
   u = scale * (u + (d + 3) * eps * abs_terms)

@@ -140,13 +140,34 @@ class SearchTest(parameterized.TestCase):
     sub = jax.tree.map(lambda x: x[:, None], box)  # broadcast over 3
     want = theory.box_upper_bound(q, sub, scale=0.4)  # [2, 3, nb]
     got = _search.box_upper_bound_dot(q, box, scale=0.4)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # The same bound up to the two forms' rounding slacks: each at most a
+    # few (d + 3) eps 0.4 ||q||_1 max|box| (the dot form's own slack term).
+    amax = np.maximum(np.abs(box.kmin), np.abs(box.kmax)).max(-1)  # [2, nb]
+    q1 = np.abs(q).sum(-1)  # [2, 3]
+    slack = (
+      (7 + 3) * np.finfo(np.float32).eps * 0.4 * q1[..., None] * amax[:, None]
+    )
+    np.testing.assert_array_less(np.abs(got - want), 4 * slack + 1e-6)
     s = np.einsum("rgd,rnd->rgn", q.astype(np.float64), k) * 0.4
     smax = s.reshape(2, 3, -1, BS).max(-1)
     self.assertTrue(np.all(np.asarray(got, np.float64) >= smax))
     absdot = _search.box_abs_dot(q, box, 0.4)
     want_abs = 0.4 * np.einsum("rgd,rnd->rgn", np.abs(q), np.abs(k)).max(-1)
     self.assertTrue(np.all(np.asarray(absdot, np.float64) >= want_abs))
+
+  def test_dot_box_bound_of_a_cache_needs_no_zeroed_boxes(self):
+    # A KVCache's empty blocks keep their initial +-inf boxes; the bound
+    # masks them by count, so the raw boxes give the zeroed boxes' bounds.
+    cache = jaxtopk.KVCache.create(2, 64, 3, 7, block_size=8)
+    cache = cache.append(
+      rand.normal(7, (2, 20, 3, 7)), rand.normal(8, (2, 20, 3, 7))
+    )
+    q = np.asarray(rand.normal(9, (2, 3, 2, 7)))  # 2 queries per kv head
+    raw = _search.box_upper_bound_dot(q, cache.box(zero_empty=False), scale=0.4)
+    zeroed = _search.box_upper_bound_dot(q, cache.box(), scale=0.4)
+    np.testing.assert_array_equal(raw, zeroed)
+    self.assertTrue(np.all(np.isfinite(np.asarray(raw)[..., :3])))
+    self.assertTrue(np.all(np.asarray(raw)[..., 3:] == -np.inf))
 
   @parameterized.named_parameters(
     ("policy", dict(policy=jaxtopk.FixedK(2)), TypeError, "Certified"),
