@@ -817,7 +817,7 @@ def _box_search(policy: Certified, st: _Step, fallback, *, extra=0):
   added to ``keys_scored``) where every row certified within them, else
   ``fallback()`` (the attempt's products added); ``fallback()`` itself
   where the capacity is every block."""
-  b, hk, g, n = st.s.shape
+  n = st.s.shape[-1]
   bs = st.cache.block_size
   nb = n // bs
   search = DeltaSearch(bs)
@@ -846,17 +846,12 @@ def _box_search(policy: Certified, st: _Step, fallback, *, extra=0):
     return out, _plus_scored(cert, tried), lse
 
   def finish():
-    valid = st.valid  # [b, 1, 1 or g, n]
-    vn = st.cache.value_norms[:, :, None]  # [b, hk, 1, n]
-    real = valid.reshape(*valid.shape[:3], nb, bs)
-    norms = jnp.where(real, vn.reshape(b, hk, 1, nb, bs), 0.0)
     s, keep, _, pos, part = finish_compact(
       rs,
-      valid,
+      st.valid,  # [b, 1, 1 or g, n]
       cnt,
       max_topk=policy.max_topk,
-      value_norms=vn,
-      block_norms=core.max_nan(norms, -1),  # [b, hk, 1 or g, nb]
+      value_norms=st.cache.value_norms[:, :, None],  # [b, hk, 1, n]
       block_summary_keys=2,  # the block's box: 2 d floats
     )
     capacity = min(n, policy.max_topk or max(1, int(n * CERTIFIED_CAPACITY)))

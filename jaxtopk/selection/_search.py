@@ -383,12 +383,13 @@ def _row_partial(
   return keep, part
 
 
-def _block_norms(value_norms, vb):
-  """``[nb]`` largest value norm of each block's real keys (NaN kept)."""
+def _block_norms(value_norms, valid, block_size):
+  """``[..., nb]`` largest value norm of each block's real keys (NaN kept);
+  ``value_norms`` and ``valid`` ``[..., n]`` broadcast together."""
   if value_norms is None:
     return None
-  vn = jnp.where(vb, value_norms.reshape(vb.shape), 0.0)
-  return core.max_nan(vn, -1)
+  vn = jnp.where(valid, value_norms, 0.0)
+  return core.max_nan(vn.reshape(*vn.shape[:-1], -1, block_size), -1)
 
 
 def search_row_partial(
@@ -457,7 +458,7 @@ def search_row_partial(
     log_un,
     u_eff,
     cnt,
-    _block_norms(value_norms, vb),
+    _block_norms(value_norms, valid, bs),
     delta=delta,
     log_eps=log_eps,
     margin=margin,
@@ -534,7 +535,6 @@ def finish_compact(
   *,
   max_topk=None,
   value_norms=None,
-  block_norms=None,
   block_summary_keys=0,
 ):
   """The kept set and PartialSoftmax of rows ``rs`` (batched, ``[...]``).
@@ -545,8 +545,6 @@ def finish_compact(
     cnt: ``[..., nb]`` int32 real keys per block.
     max_topk: optional cap on the kept set.
     value_norms: optional ``[..., n]`` value norms (broadcast).
-    block_norms: ``[..., nb]`` largest value norm of each block's real keys
-      (required with ``value_norms``).
     block_summary_keys: as ``search_row_partial``'s.
 
   Returns:
@@ -574,7 +572,7 @@ def finish_compact(
     rs.log_unscored,
     rs.u_eff,
     cnt,
-    block_norms,
+    _block_norms(value_norms, valid, bs),
     delta=rs.logit_error,
     log_eps=rs.log_eps,
     margin=rs.margin,
