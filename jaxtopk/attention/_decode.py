@@ -896,8 +896,9 @@ def auto_sample_need(q_in, codes, exponents, length, *, eps, scale):
   pos = auto_sample_positions(length, m)  # [b, m]
   codes = _cache.at_positions(codes, pos, 3)  # [b, hk, d, m]
   expo = _cache.at_positions(exponents, pos, 2)  # [b, hk, m]
-  # One small einsum: the CPU's loop over d (``code_dot``) pays ~20 us a
-  # trip for m keys' products (0.65 ms per step at 8 heads, d = 128).
+  # One small einsum: for m keys the CPU's loop over d (``code_dot``) costs
+  # more than its products (the sample 0.84 -> 0.55 ms at 131,072 keys, 8
+  # heads, d = 128).
   u, lo = key_codes.code_bounds(q_in, codes, expo, scale=scale, loop=False)
   s = 0.5 * (u + lo)  # [b, hk, g, m]: the code estimate of the logits
   p = jnp.exp(s - jnp.max(s, -1, keepdims=True))

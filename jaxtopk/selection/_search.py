@@ -216,8 +216,8 @@ def box_upper_bound_dot(query, box, *, scale) -> jax.Array:
   and a final relative round-up. On XLA:CPU this runs ~50x faster than the
   broadcast-multiply-reduce form for decode-sized caches (measured in
   BUILD_NOTES); the slack's bound is one fused reduction over the boxes,
-  where the exact sum_c |terms_c| (a dot with |M| and |m|) made copies of
-  both (4 x 8 MiB at 131,072 keys, 8 heads; docs/performance.md).
+  where the exact sum_c |terms_c| (a dot with |M| and |m|) made a copy of
+  each (8 MiB at 131,072 keys, 8 heads; docs/performance.md).
 
   Args:
     query: ``[..., g, d]``, g queries sharing the keys (GQA group).

@@ -133,7 +133,7 @@ class SearchTest(parameterized.TestCase):
       self.assertEqual(sel.certificate.failure_prob, 0.05)
     self.assertLessEqual(fails / (3 * r), 0.05)
 
-  def test_dot_box_bound_equals_theory_box_bound(self):
+  def test_dot_box_bound_matches_theory_box_bound(self):
     k = _clustered(5, 2, 64, 7)
     q = np.asarray(rand.normal(6, (2, 3, 7)))
     box = theory.box_summary(k, block_size=BS)
