@@ -74,7 +74,8 @@ The certificate of every row comes from ``jaxtopk.selection.core``: a
 ``core.PartialSoftmax`` of the scored keys (``PartialSoftmax.from_logits``,
 with the
 kept-set output through the caller's einsum), the unscored blocks' bounds
-merged into its tail (``add_tail``), and ``finalize``. The logit rounding
+merged into its tail (``add_tail``), and ``finalize`` (once, on every
+tile's per-row statistics after the tiles, not in each tile). The logit rounding
 bound of a row (``core.logit_error_bound``, subnormal inputs included) is
 formed from per-block key summaries over the blocks the row can see.
 Logits are computed at ``Precision.HIGHEST`` (the bounds assume
@@ -920,19 +921,10 @@ def blockwise_attention(
   n_terms = plan.sp + plan.nb if kind == "search" else s
 
   def tile(fn):
-    def one(i):
-      part, keep = fn(i)
-      o, cert = part.finalize(n_terms=n_terms, scale_ok=scale_ok)
-      lse = None
-      if return_lse:  # log 0 for a row with no key of mass, NaN if broken
-        empty = (part.denom == 0) & (part.tail_sum == 0) & part.logits_ok
-        lse = core.log_sum_exp_residual(part.log_head, cert.valid, empty)
-      return o, cert, lse, keep
-
     # The backward recomputes a tile, but keeps its rows' budget thresholds
     # (a few floats per row) rather than running the histogram passes again.
     return jax.checkpoint(
-      one, policy=jax.checkpoint_policies.save_only_these_names(RESIDUAL)
+      fn, policy=jax.checkpoint_policies.save_only_these_names(RESIDUAL)
     )
 
   if kind == "search":
@@ -960,7 +952,17 @@ def blockwise_attention(
       for i0, i1 in ranges
     ]
   outs = [lax.map(tile(fn), jnp.arange(i0, i1)) for (i0, i1), fn in groups]
-  o, cert, lse, keep = jax.tree.map(lambda *x: jnp.concatenate(x, 0), *outs)
+  part, keep = jax.tree.map(lambda *x: jnp.concatenate(x, 0), *outs)
+  # The certificate is finished once, on every tile's per-row statistics
+  # ([nt, b, hk, g, bq] each), not in each band's tile program: its
+  # float-safe arithmetic was most of a band's code to compile (a causal
+  # Dense() prefill and its gradient at T = 1,024, 2 bands: docs/
+  # performance.md "Flax layers").
+  o, cert = part.finalize(n_terms=n_terms, scale_ok=scale_ok)
+  lse = None
+  if return_lse:  # log 0 for a row with no key of mass, NaN if broken
+    empty = (part.denom == 0) & (part.tail_sum == 0) & part.logits_ok
+    lse = core.log_sum_exp_residual(part.log_head, cert.valid, empty)
 
   def to_bth(x):  # [nt, b, hk, g, bq, ...] -> [b, t, h, ...]
     x = jnp.moveaxis(x, 0, 3)  # [b, hk, g, nt, bq, ...]
