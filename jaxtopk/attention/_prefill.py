@@ -440,6 +440,40 @@ def _row_logit_error(p, arr, q_t, qn_t, qfl_t, vis_blk, bias_abs, scale):
   )
 
 
+def _all_rows_logit_error(c):
+  """``[nt, b, hk, g, bq]`` delta of every tile's rows, or None.
+
+  A row's delta depends on its query and on the key blocks it can see,
+  which the key ranges decide unless a mask varies along the keys or a
+  bias is given (then each tile computes its own rows', ``_tile_delta``).
+  One small loop over the tiles (over every key block, the ones a row
+  cannot see masked) traces the bound's float-safe arithmetic once,
+  instead of in every band's tile program (the causal bands held a copy
+  each: a third of a Dense() prefill's code at T = 1,024).
+  """
+  p, arr = c.p, c.arr
+  mask = arr["mask"]
+  if arr["bias"] is not None or (mask is not None and mask.shape[4] != 1):
+    return None
+
+  def rows(i):
+    rng, q_t, qn_t, qfl_t, mask_t, _ = _tile_rows(c, i)
+    vis_blk, _ = _visible_blocks(p, rng, p.nb, mask_t)
+    return _row_logit_error(p, arr, q_t, qn_t, qfl_t, vis_blk, None, c.scale)
+
+  return jax.lax.stop_gradient(lax.map(rows, jnp.arange(p.nt)))
+
+
+def _tile_delta(c, i, q_t, qn_t, qfl_t, vis_blk, bias_abs):
+  """``[b, hk, g, bq]``: the tile's rows of ``_all_rows_logit_error``, else
+  computed here."""
+  if c.delta is not None:
+    return lax.dynamic_index_in_dim(c.delta, i, 0, keepdims=False)
+  return _row_logit_error(
+    c.p, c.arr, q_t, qn_t, qfl_t, vis_blk, bias_abs, c.scale
+  )
+
+
 def _bias_abs(bias_cols, real):
   """max |bias| over a row's real keys whose bias is finite (or None)."""
   if bias_cols is None:
@@ -468,6 +502,7 @@ class _Ctx:
   return_keep: bool
   first_round: int
   scan_all_share: float | None
+  delta: jax.Array | None = None  # _all_rows_logit_error, if it applies
 
 
 def _tile_rows(c, i):
@@ -508,8 +543,8 @@ def _scan_all_tile(c, length, i):
     s = s + bias_cols
   real = jnp.broadcast_to(real, s.shape)
   vis_blk, _ = _visible_blocks(p, rng, _cdiv(length, p.bs), mask_t)
-  delta = _row_logit_error(
-    p, arr, q_t, qn_t, qfl_t, vis_blk, _bias_abs(bias_cols, real), c.scale
+  delta = _tile_delta(
+    c, i, q_t, qn_t, qfl_t, vis_blk, _bias_abs(bias_cols, real)
   )  # [b, hk, g, bq]
   sgs = jax.lax.stop_gradient(s)
   pos = real & (sgs > -jnp.inf)
@@ -564,7 +599,7 @@ def _search_tile(c, i):
   bias_blk = bias_abs = None
   if bias_t is not None:
     bias_blk, bias_abs = _bias_blocks(p, sg(bias_t), rng, mask_t, vis_blk)
-  delta = _row_logit_error(p, arr, q_t, qn_t, qfl_t, vis_blk, bias_abs, c.scale)
+  delta = _tile_delta(c, i, q_t, qn_t, qfl_t, vis_blk, bias_abs)
 
   # Sound bound on each block's EXACT logits, per row: the box bound on the
   # logits of the inputs as read (rounding included), widened by delta
@@ -918,6 +953,7 @@ def blockwise_attention(
     first_round=bsz.first_round,
     scan_all_share=bsz.scan_all_share,
   )
+  ctx = dataclasses.replace(ctx, delta=_all_rows_logit_error(ctx))
   n_terms = plan.sp + plan.nb if kind == "search" else s
 
   def tile(fn):
