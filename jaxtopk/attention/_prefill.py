@@ -72,12 +72,12 @@ Two engines, one per kind of policy:
 
 The certificate of every row comes from ``jaxtopk.selection.core``: a
 ``core.PartialSoftmax`` of the scored keys (``PartialSoftmax.from_logits``,
-with the
-kept-set output through the caller's einsum), the unscored blocks' bounds
-merged into its tail (``add_tail``), and ``finalize`` (once, on every
-tile's per-row statistics after the tiles, not in each tile). The logit rounding
-bound of a row (``core.logit_error_bound``, subnormal inputs included) is
-formed from per-block key summaries over the blocks the row can see.
+with the kept-set output through the caller's einsum), the unscored
+blocks' bounds merged into its tail (``add_tail``), and ``finalize``, run
+once on every tile's per-row statistics after the tiles. The logit
+rounding bound of a row (``core.logit_error_bound``, subnormal inputs
+included) is formed from per-block key summaries over the blocks the row
+can see.
 Logits are computed at ``Precision.HIGHEST`` (the bounds assume
 full-precision dot products).
 
