@@ -962,7 +962,26 @@ def _sample_choice(policy, query, cache, scale):
   return choice.astype(jnp.int32), extra.astype(jnp.int32)
 
 
-def _certified_codes(
+def _certified_codes(policy: Certified, query, cache: KVCache, scale, **kw):
+  """``bound='codes'``: the key-code attempt (``_codes_attempt``), the exact
+  search where it missed."""
+  result, redo, code_cost = _codes_attempt(policy, query, cache, scale, 0, **kw)
+  return _exact_unless(redo, result, policy, query, cache, scale, code_cost, kw)
+
+
+def _exact_unless(redo, result, policy, query, cache, scale, cost, kw):
+  """``result``, or where ``redo`` (a scalar) the exact search of every row
+  with ``cost`` ``[b, hk, g]`` products already spent added to its
+  ``keys_scored``. One copy of the exact search per program."""
+
+  def exact():
+    out, cert, lse = _certified_exact(policy, _step(query, cache, scale, **kw))
+    return out, _plus_scored(cert, cost), lse
+
+  return lax.cond(redo, exact, lambda: result)
+
+
+def _codes_attempt(
   policy: Certified,
   query,
   cache: KVCache,
@@ -973,16 +992,19 @@ def _certified_codes(
   residual,
   candidates=True,
 ):
-  """Certified(eps) of every row from the key codes (THEORY 3.5).
+  """Certified(eps) of every row from the key codes (THEORY 3.5):
+  ``(result, redo, cost)``.
 
   Bounds l <= s <= u of every key from its code (``key_codes``); the
   candidates are the keys with u >= t, t the largest threshold whose
   unscored mass sum_{u < t} e^u fits eps sum e^l (<= eps Z); they are
   gathered and scored exactly, the kept set is the fewest of them meeting
   eps with the unscored bound as extra tail, and the certificate is the
-  core's: the scored candidates plus sum_{u < t} e^{u_i} in the tail. A
-  row whose finished bound exceeds eps (rounding past the margins) takes
-  the exact path (``keys_scored`` then counts the codes and every key).
+  core's: the scored candidates plus sum_{u < t} e^{u_i} in the tail.
+  ``redo`` (a scalar): some row's finished bound exceeds eps (rounding
+  past the margins): the caller runs the exact search
+  (``_exact_unless``), whose ``keys_scored`` then adds ``cost`` ``[b, hk,
+  g]``, the codes' products and ``extra``.
 
   Args:
     policy: the Certified policy.
@@ -1101,12 +1123,6 @@ def _certified_codes(
     part = core.merge(head, below_part)
     return _finish(st, part, keys_scored=base_cost + count)
 
-  def exact():
-    step = _step(query, cache, scale, **kw)
-    out, cert, lse = _certified_exact(policy, step)
-    cost = cert.keys_scored + code_cost + extra
-    return out, dataclasses.replace(cert, keys_scored=cost), lse
-
   result = scored()
   cert = result[1]
   # Safety net: float rounding beyond the margins (or an aim that missed):
@@ -1114,7 +1130,7 @@ def _certified_codes(
   over = cert.valid & (cert.tv_bound > policy.eps) & (st.delta < jnp.inf)
   if m_top is not None:
     over = over & (cert.k_kept < m_top)
-  return lax.cond(jnp.any(over), exact, lambda: result)
+  return result, jnp.any(over), base_cost
 
 
 def _codes_rows(
@@ -1148,12 +1164,24 @@ def _codes_rows(
   g = h // hk
   kw = dict(q_len=q_len, residual=residual, candidates=candidates)
   if policy.search.name != "auto":
-    return _certified_codes(policy, query, cache, scale, jnp.int32(0), **kw)
+    return _certified_codes(policy, query, cache, scale, **kw)
   choice, extra = _sample_choice(policy, query, cache, scale)  # [b, hk]
   x = jnp.broadcast_to(extra[..., None], (b, hk, g))
 
-  def codes():
-    return _certified_codes(policy, query, cache, scale, x, **kw)
+  def codes_else_exact():
+    """The codes where every row chose them, the exact search where some
+    row did not or the codes missed (one exact search in the program)."""
+
+    def attempt():
+      return _codes_attempt(policy, query, cache, scale, x, **kw)
+
+    def skip():
+      result, _, cost = jax.tree.map(jnp.zeros_like, jax.eval_shape(attempt))
+      return result, jnp.bool_(True), cost
+
+    result, redo, cost = lax.cond(jnp.max(choice) == _CODES, attempt, skip)
+    cost = jnp.where(redo & (jnp.max(choice) == _CODES), cost, x)
+    return _exact_unless(redo, result, policy, query, cache, scale, cost, kw)
 
   def exact():
     st = _step(query, cache, scale, **kw)
@@ -1175,9 +1203,7 @@ def _codes_rows(
   if not _codes_pay(query, cache):  # choices _EXACT or _ALL only
     concentrated = functools.partial(boxes_first, exact)
     return lax.cond(jnp.max(choice) == _ALL, keep_all, concentrated)
-  # Indexed by _CODES, _EXACT, _ALL.
-  choose = functools.partial(lax.switch, jnp.max(choice))
-  concentrated = functools.partial(boxes_first, lambda: choose((codes, exact)))
+  concentrated = functools.partial(boxes_first, codes_else_exact)
   return lax.cond(jnp.max(choice) == _ALL, keep_all, concentrated)
 
 

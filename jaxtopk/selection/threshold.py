@@ -568,6 +568,24 @@ def _prefix_sum(c):
   return jnp.cumsum(c, axis=-1, dtype=jnp.int32)
 
 
+def _nth_set_bit(bits, r, c: int):
+  """Position of the ``r``-th (from 0) set bit of each uint32 of ``bits``
+  whose set bits lie below bit ``c`` (a power of two), where ``r`` is less
+  than its popcount (else some position < c). A binary search: log2(c)
+  halvings, each a popcount of the lower half of the current window."""
+  pos = jnp.zeros(r.shape, jnp.int32)
+  w = c // 2
+  while w >= 1:
+    low = lax.population_count(bits & jnp.uint32((1 << w) - 1))
+    low = low.astype(jnp.int32)
+    up = r >= low  # the bit lies in the upper half
+    r = jnp.where(up, r - low, r)
+    pos = jnp.where(up, pos + w, pos)
+    bits = jnp.where(up, bits >> jnp.uint32(w), bits)
+    w //= 2
+  return pos
+
+
 def mask_indices(mask, size: int, *, group: int = GROUP, strided=True):
   """Positions of (the first ``size``) True entries of each row, compacted.
 
@@ -619,11 +637,7 @@ def mask_indices(mask, size: int, *, group: int = GROUP, strided=True):
   excl = jnp.take_along_axis(inc - cnt, col, -1)
   r = slot - excl  # rank of the slot's entry inside its column
   b = jnp.take_along_axis(bits, col, -1)
-  within = jnp.zeros(col.shape, jnp.int32)
-  for i in range(c):  # position of the r-th set bit of b
-    below = lax.population_count(b & jnp.uint32((2 << i) - 1)).astype(jnp.int32)
-    within = within + (below <= r)
-  within = jnp.minimum(within, c - 1)
+  within = _nth_set_bit(b, r, c)
   if strided:
     idx = within * nb + col
   else:

@@ -115,7 +115,7 @@ class AutoDecodeTest(parameterized.TestCase):
 
   N = _decode.AUTO_MIN_KEYS
 
-  def _decode(self, q, k):
+  def _decode(self, q, k, policy=None):
     # One kv head per query head: each row decides for itself (heads of a
     # GQA group share their kv head's choice).
     n, d = k.shape
@@ -124,8 +124,9 @@ class AutoDecodeTest(parameterized.TestCase):
     kk = jnp.broadcast_to(jnp.asarray(k)[None, :, None], (1, n, h, d))
     eye = jnp.eye(n, dtype=jnp.float32)[None, :, None]
     cache = cache.append(kk, jnp.broadcast_to(eye, (1, n, h, n)))
+    policy = jaxtopk.Certified(0.05) if policy is None else policy
     return jaxtopk.decode_attention(
-      jnp.asarray(q)[None, None], cache, policy=jaxtopk.Certified(0.05)
+      jnp.asarray(q)[None, None], cache, policy=policy
     )
 
   def test_the_batch_takes_the_codes_only_when_every_row_chose_them(self):
@@ -235,6 +236,40 @@ class AutoDecodeTest(parameterized.TestCase):
       bound = (_decode.SEARCH_CAPACITY + 0.1) * self.N
       self.assertTrue(np.all(scored < bound), (g, type(c), scored))
       _check_row(self, out, cert, q, k[0, :, 0], self.N, policy, jnp.float32)
+
+  def test_rows_the_codes_miss_are_redone_exactly_at_their_cost(self):
+    # The safety net: where a row's finished bound from the codes misses
+    # eps (rounding past the margins; forced here), the batch runs the
+    # exact search, whose keys_scored adds what the codes (and Auto's
+    # sample and box stage) already cost.
+    rng = np.random.default_rng(6)
+    d = 8
+    k = np.float32(rng.normal(size=(self.N, d)))
+    q = np.float32(np.stack([k[7] * 8.0, k[300] * 8.0]))  # codes pay
+    attempt = _decode._codes_attempt
+
+    def missed(*args, **kw):
+      result, _, cost = attempt(*args, **kw)
+      return result, jnp.bool_(True), cost
+
+    code = int(key_codes.code_cost(self.N, d, jnp.float32))
+    sample = int(key_codes.code_cost(_decode.AUTO_SAMPLE, d, jnp.float32))
+    explicit = CODES[0]
+    _decode._xla_decode.clear_cache()  # the patch acts when traced
+    with mock.patch.object(_decode, "_codes_attempt", missed):
+      out, cert = self._decode(q, k)
+      out_c, cert_c = self._decode(q, k, explicit)
+    _decode._xla_decode.clear_cache()
+    auto = jaxtopk.Certified(0.05)
+    _check_row(self, out, cert, q, k, self.N, auto, jnp.float32)
+    _check_row(self, out_c, cert_c, q, k, self.N, explicit, jnp.float32)
+    np.testing.assert_array_equal(cert_c.keys_scored[0, 0], self.N + code)
+    scored = np.asarray(cert.keys_scored[0, 0])
+    if jax.default_backend() not in _decode.AUTO_CODES_PLATFORMS:
+      np.testing.assert_array_equal(scored, self.N)  # no codes, no sample
+      return
+    self.assertTrue(np.all(scored >= self.N + code + sample), scored)
+    self.assertTrue(np.all(scored < 2 * self.N), scored)
 
   def test_platforms_without_the_codes_run_the_exact_search(self):
     rng = np.random.default_rng(2)
