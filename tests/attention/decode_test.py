@@ -384,5 +384,42 @@ class DecodeTest(parameterized.TestCase):
       jaxtopk.decode_attention(q, cache, **kwargs)
 
 
+class DefaultLevelTest(absltest.TestCase):
+  """Programs compiled at XLA's default optimization level, the level users
+  run (the suite compiles at level 0: tests/conftest.py)."""
+
+  def test_exact_search_candidates_with_wide_values(self):
+    # The exact search's bracket and candidates (caches of
+    # CANDIDATE_MIN_KEYS keys or more) with 512-wide values: the zero
+    # output of the keys below the bracket once came out holding NaNs at
+    # the default level (every row invalid, tv_bound NaN); at level 0 it
+    # was right.
+    rng = np.random.default_rng(6)
+    n, d, h, dv = 1024, 8, 2, 512
+    k = np.float32(rng.normal(size=(n, d)))
+    q = jnp.asarray(np.stack([k[7] * 8.0, k[300] * 8.0]))[None, None]
+    kk = jnp.broadcast_to(jnp.asarray(k)[None, :, None], (1, n, h, d))
+    v = jnp.asarray(rng.normal(size=(1, n, h, dv)), jnp.float32)
+    cache = jaxtopk.KVCache.create(1, n, h, d, value_dim=dv).append(kk, v)
+    policy = jaxtopk.Certified(0.05, jaxtopk.Exact())
+
+    def exact(q, cache, candidates):
+      st = _decode._step(q, cache, d**-0.5, candidates=candidates)
+      return _decode._certified_exact(policy, st)[:2]
+
+    opts = {  # jax's defaults (the suite's flags: tests/conftest.py)
+      "xla_backend_optimization_level": 3,
+      "xla_llvm_disable_expensive_passes": False,
+    }
+    got = jax.jit(exact, static_argnums=2, compiler_options=opts)(
+      q, cache, True
+    )
+    want = jax.jit(exact, static_argnums=2)(q, cache, False)  # the full row
+    self.assertTrue(bool(jnp.all(got[1].valid)), got[1])
+    np.testing.assert_array_equal(got[1].k_kept, want[1].k_kept)
+    np.testing.assert_allclose(got[1].tv_bound, want[1].tv_bound, rtol=1e-3)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+
+
 if __name__ == "__main__":
   absltest.main()

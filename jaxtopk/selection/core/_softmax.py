@@ -232,7 +232,6 @@ class PartialSoftmax:
     # 2-5 s at 4,096 rows over 8,192); at run time they cost a pass over
     # n / group entries.
     head = dict(
-      o=None if d_v is None else jnp.zeros((*shape, d_v), dt),
       m=jnp.full(shape, -jnp.inf, dt),
       denom=jnp.zeros(shape, dt),
       err=jnp.full(shape, _leaf_err(dt), dt),
@@ -250,6 +249,7 @@ class PartialSoftmax:
       ok = ok & ~jnp.any(where & jnp.isnan(vn), axis=ax)
     part = cls(
       **head,
+      o=None,  # nothing kept: zeros, attached after the columns merge
       tail_m=tm,
       tail_sum=tl,
       logit_error=jnp.broadcast_to(
@@ -259,7 +259,15 @@ class PartialSoftmax:
       tail_norm=tail_norm,
       logits_ok=jnp.broadcast_to(ok, shape),
     )
-    return part if group is None else PartialSoftmax.reduce(part, -1)
+    if group is not None:
+      part = PartialSoftmax.reduce(part, -1)
+    if d_v is None:
+      return part
+    # Not merged as columns: a [..., n / group, d_v] block of zeros through
+    # the barrier and the merge came out holding NaNs at XLA:CPU's default
+    # optimization level (d_v >= 512; jax 0.10), and cost a pass of its own.
+    o = jnp.zeros((*part.m.shape, d_v), dt)
+    return dataclasses.replace(part, o=o)
 
   @classmethod
   def empty(cls, shape, dtype=jnp.float32, *, d_v=None, norms=False):
