@@ -969,15 +969,17 @@ def _certified_codes(policy: Certified, query, cache: KVCache, scale, **kw):
   return _exact_unless(redo, result, policy, query, cache, scale, code_cost, kw)
 
 
+def _exact_plus(policy, query, cache, scale, cost, kw):
+  """The exact search of every row, ``cost`` ``[b, hk, g]`` products
+  already spent added to its ``keys_scored``."""
+  out, cert, lse = _certified_exact(policy, _step(query, cache, scale, **kw))
+  return out, _plus_scored(cert, cost), lse
+
+
 def _exact_unless(redo, result, policy, query, cache, scale, cost, kw):
-  """``result``, or where ``redo`` (a scalar) the exact search of every row
-  with ``cost`` ``[b, hk, g]`` products already spent added to its
-  ``keys_scored``. One copy of the exact search per program."""
-
-  def exact():
-    out, cert, lse = _certified_exact(policy, _step(query, cache, scale, **kw))
-    return out, _plus_scored(cert, cost), lse
-
+  """``result``, or where ``redo`` (a scalar) ``_exact_plus``: one copy of
+  the exact search per program."""
+  exact = functools.partial(_exact_plus, policy, query, cache, scale, cost, kw)
   return lax.cond(redo, exact, lambda: result)
 
 
@@ -1175,18 +1177,14 @@ def _codes_rows(
     def attempt():
       return _codes_attempt(policy, query, cache, scale, x, **kw)
 
-    def skip():
-      result, _, cost = jax.tree.map(jnp.zeros_like, jax.eval_shape(attempt))
-      return result, jnp.bool_(True), cost
+    def skip():  # the exact search, after the sample only
+      result = jax.tree.map(jnp.zeros_like, jax.eval_shape(attempt)[0])
+      return result, jnp.bool_(True), x
 
     result, redo, cost = lax.cond(jnp.max(choice) == _CODES, attempt, skip)
-    cost = jnp.where(redo & (jnp.max(choice) == _CODES), cost, x)
     return _exact_unless(redo, result, policy, query, cache, scale, cost, kw)
 
-  def exact():
-    st = _step(query, cache, scale, **kw)
-    out, cert, lse = _certified_exact(policy, st)
-    return out, _plus_scored(cert, x), lse
+  exact = functools.partial(_exact_plus, policy, query, cache, scale, x, kw)
 
   def keep_all():
     st = _step(query, cache, scale, **kw)

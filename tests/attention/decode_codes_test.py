@@ -115,7 +115,7 @@ class AutoDecodeTest(parameterized.TestCase):
 
   N = _decode.AUTO_MIN_KEYS
 
-  def _decode(self, q, k, policy=None):
+  def _decode(self, q, k):
     # One kv head per query head: each row decides for itself (heads of a
     # GQA group share their kv head's choice).
     n, d = k.shape
@@ -124,9 +124,8 @@ class AutoDecodeTest(parameterized.TestCase):
     kk = jnp.broadcast_to(jnp.asarray(k)[None, :, None], (1, n, h, d))
     eye = jnp.eye(n, dtype=jnp.float32)[None, :, None]
     cache = cache.append(kk, jnp.broadcast_to(eye, (1, n, h, n)))
-    policy = jaxtopk.Certified(0.05) if policy is None else policy
     return jaxtopk.decode_attention(
-      jnp.asarray(q)[None, None], cache, policy=policy
+      jnp.asarray(q)[None, None], cache, policy=jaxtopk.Certified(0.05)
     )
 
   def test_the_batch_takes_the_codes_only_when_every_row_chose_them(self):
