@@ -1210,10 +1210,12 @@ def _plus_scored(cert: Certificate, extra) -> Certificate:
   return dataclasses.replace(cert, keys_scored=cert.keys_scored + extra)
 
 
-@functools.partial(
-  jax.jit,
-  static_argnames=("policy", "static_scale", "residual", "candidates", "view"),
-)
+# ``_xla_decode``'s static arguments (tests that patch a route constant
+# trace it through a jit of their own: tests/attention/retrace.py).
+XLA_DECODE_STATIC = ("policy", "static_scale", "residual", "candidates", "view")
+
+
+@functools.partial(jax.jit, static_argnames=XLA_DECODE_STATIC)
 def _xla_decode(
   query,
   cache,

@@ -24,6 +24,7 @@ from jaxtopk.attention import _decode
 from jaxtopk.attention import _paged
 from jaxtopk.selection import key_codes
 from tests.attention import decode_property_test as dpt
+from tests.attention.retrace import fresh_decode
 
 _CI_EXAMPLES = (
   settings.default.max_examples
@@ -277,12 +278,9 @@ class AutoDecodeTest(parameterized.TestCase):
     d = 8
     k = np.float32(rng.normal(size=(self.N, d)))
     q = np.float32(k[3:4] * 8.0)  # peaked: the codes would pay on CPU
-    # The choice is made when _xla_decode is traced: its caches (only its:
-    # the worker's other compiled programs stay) are dropped around it.
-    _decode._xla_decode.clear_cache()
-    with mock.patch.object(_decode, "AUTO_CODES_PLATFORMS", ()):
+    # The choice is made when the decode is traced: traced afresh.
+    with mock.patch.object(_decode, "AUTO_CODES_PLATFORMS", ()), fresh_decode():
       out, cert = self._decode(q, k)
-    _decode._xla_decode.clear_cache()
     self.assertEqual(int(cert.keys_scored[0, 0, 0]), self.N)  # no sample
     _check_row(
       self, out, cert, q, k, self.N, jaxtopk.Certified(0.05), jnp.float32

@@ -15,6 +15,7 @@ from scipy.special import logsumexp
 import jaxtopk
 from jaxtopk.attention import _decode
 from jaxtopk.attention import registry
+from tests.attention.retrace import fresh_decode
 from tests.theory import truth
 
 B, HK, H, D, N, BS = 2, 1, 2, 4, 64, 16
@@ -57,12 +58,8 @@ def _every_kind():
   """Every kind of policy takes the chunk route from CHUNK steps (traced
   afresh: the route is chosen when the decode is traced)."""
   lowered = dict.fromkeys(_decode.CHUNK_MIN_STEPS, CHUNK)
-  with mock.patch.dict(_decode.CHUNK_MIN_STEPS, lowered):
-    _decode._xla_decode.clear_cache()
-    try:
-      yield
-    finally:
-      _decode._xla_decode.clear_cache()
+  with mock.patch.dict(_decode.CHUNK_MIN_STEPS, lowered), fresh_decode():
+    yield
 
 
 def _logits(q, k, b, i, h, limit):

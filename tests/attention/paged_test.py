@@ -15,6 +15,7 @@ from jaxtopk.attention import _decode
 from jaxtopk.attention.registry import UnsupportedCacheError
 from jaxtopk.selection import key_codes
 from tests import rand
+from tests.attention.retrace import fresh_decode
 from tests.tolerances import assert_same_up_to_rounding
 
 B, H, D, E, PS, M = 3, 2, 8, 5, 4, 5
@@ -114,9 +115,8 @@ class PagedKVCacheTest(parameterized.TestCase):
     # here, and the decode retraced): the logits' d-term sums and the value
     # sum in another order (values and logits of order one); counts and
     # flags equal.
-    _decode._xla_decode.clear_cache()
-    self.addCleanup(_decode._xla_decode.clear_cache)
     self.enter_context(mock.patch.object(_cache, "PAGE_SCAN_MIN_BYTES", 0))
+    self.enter_context(fresh_decode())
     for q_len in (1, 3):
       q = jnp.asarray(rng.standard_normal((B, q_len, 2 * H, D)), jnp.float32)
       o1, c1 = jaxtopk.decode_attention(q, paged, policy=policy)
