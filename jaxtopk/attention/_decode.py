@@ -285,17 +285,28 @@ def _unfold(x, hk, q_len):
 
 
 def _step(
-  query, cache, scale, s=None, *, q_len=1, residual=False, candidates=True
+  query,
+  cache,
+  scale,
+  s=None,
+  *,
+  q_len=1,
+  residual=False,
+  candidates=True,
+  delta=None,
 ) -> _Step:
   """The arrays of a step; ``s`` given: the logits are not computed (the
   key-code path passes its upper bounds, of which only the shape is read
   by the finishing helpers). ``q_len`` > 1: the query steps are folded
-  into the groups (``_fold``), each row limited to its causal prefix."""
+  into the groups (``_fold``), each row limited to its causal prefix.
+  ``delta`` given: the logit error (``_logit_error``) computed once by a
+  caller whose branches each build a step."""
   q_in, q = _queries(query, cache)
   dt = q.dtype
   if s is None:
     s = _cache.row_logits(cache.keys, q, _HIGHEST) * scale  # [b, hk, g, n]
-  delta = _logit_error(q_in, q, cache, scale)
+  if delta is None:
+    delta = _logit_error(q_in, q, cache, scale)
   if q_len == 1:
     valid = cache.valid()[:, :, None]  # [b, 1, 1, n]
     n_valid = jnp.broadcast_to(cache.length[:, None, None], s.shape[:-1])
@@ -993,6 +1004,7 @@ def _codes_attempt(
   q_len=1,
   residual,
   candidates=True,
+  delta=None,
 ):
   """Certified(eps) of every row from the key codes (THEORY 3.5):
   ``(result, redo, cost)``.
@@ -1018,6 +1030,7 @@ def _codes_attempt(
     q_len: query steps folded into the groups (``_step``).
     residual: whether to return the log-sum-exp residual.
     candidates: ``_Step.candidates`` of the exact fallback.
+    delta: ``_step``'s.
   """
   kw = dict(q_len=q_len, residual=residual, candidates=candidates)
   q_in, q = _queries(query, cache)
@@ -1026,7 +1039,7 @@ def _codes_attempt(
   q_c, w = key_codes.query_terms(q_in)
   t = _cache.code_products(cache.key_codes, q_c)  # [b, hk, g, n]
   u, lo = key_codes.bounds_from_products(t, w, cache.key_exponents, scale=scale)
-  st = _step(query, cache, scale, s=u, **kw)
+  st = _step(query, cache, scale, s=u, delta=delta, **kw)
   real = st.real
   n_terms = 2 * n
   margin = core.search_log_margin(n_terms, st.delta, dt)
@@ -1164,7 +1177,9 @@ def _codes_rows(
   b, _, h, _ = query.shape
   hk = cache.keys.shape[1]
   g = h // hk
-  kw = dict(q_len=q_len, residual=residual, candidates=candidates)
+  # Every branch below builds a step: the logit error once, outside them.
+  delta = _logit_error(*_queries(query, cache), cache, scale)
+  kw = dict(q_len=q_len, residual=residual, candidates=candidates, delta=delta)
   if policy.search.name != "auto":
     return _certified_codes(policy, query, cache, scale, **kw)
   choice, extra = _sample_choice(policy, query, cache, scale)  # [b, hk]
