@@ -680,11 +680,11 @@ def _cache_appends(policy, dtype):
 
 def _flax_decode(policy, dtype):
   """The layer's decode loop (identity projections): each row's real keys
-  fed one step at a time (a ``lax.scan`` over the steps after the first),
-  its output read at its last real step (the decode_attention path); rows
-  with no real key read a last step masked to nothing (the layer's masked
-  path). The cache is filled exactly to init_cache's max_length (n + 1
-  steps)."""
+  fed one step at a time (a ``lax.scan`` over the steps, its certificate
+  variable made by ``init_certificates``), its output read at its last
+  real step (the decode_attention path); rows with no real key read a
+  last step masked to nothing (the layer's masked path). The cache is
+  filled exactly to init_cache's max_length (n + 1 steps)."""
   layer = jaxtopk.nn.CertifiedTopKAttention(policy=policy, **_mha_kwargs(dtype))
   graphdef, state = nnx.split(layer)
 
@@ -696,8 +696,8 @@ def _flax_decode(policy, dtype):
     xq, xk, xv = _layer_inputs(q.reshape(b * t, 1, h, -1), kk, vv)
     m = nnx.merge(graphdef, state)
     m.init_cache((b * t, n + 1, xq.shape[-1]), dtype=k.dtype)
-    y0 = m(xq, xk[:, :1], xv[:, :1], decode=True)  # fixes the state's shape
-    c0 = m.last_certificate.get_value()
+    # The state's shape fixed before the loop (no call outside the scan).
+    jaxtopk.nn.init_certificates(m, xq, xk[:, :1], xv[:, :1], decode=True)
     gd, st = nnx.split(m)
 
     def step(st, kv):
@@ -707,12 +707,10 @@ def _flax_decode(policy, dtype):
       return nnx.split(mm)[1], (y, c)
 
     steps = (
-      jnp.moveaxis(xk[:, 1:, None], 1, 0),
-      jnp.moveaxis(xv[:, 1:, None], 1, 0),
+      jnp.moveaxis(xk[:, :, None], 1, 0),
+      jnp.moveaxis(xv[:, :, None], 1, 0),
     )
-    st, (ys, cs) = jax.lax.scan(step, st, steps)
-    ys = jnp.concatenate([y0[None], ys])  # [n, bt, 1, h * e]
-    cs = jax.tree.map(lambda a, z: jnp.concatenate([a[None], z]), c0, cs)
+    st, (ys, cs) = jax.lax.scan(step, st, steps)  # ys [n, bt, 1, h * e]
     last = jnp.clip(length - 1, 0, n - 1)  # [bt]
     rows = jnp.arange(b * t)
     y = ys[last, rows]
