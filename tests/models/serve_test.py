@@ -36,11 +36,16 @@ class ServeTest(absltest.TestCase):
       num_pages=9,
     )  # fmt: skip
     self.assertLen(out, len(prompts))
-    for prompt, done in zip(prompts, out, strict=True):
+    # One full causal forward pass, dense, of every request's tokens,
+    # right-padded (causal: the padding changes no earlier logit).
+    rows = [
+      prompt + done.tokens for prompt, done in zip(prompts, out, strict=True)
+    ]
+    width = max(map(len, rows))
+    logits, _ = model(jnp.asarray([r + [0] * (width - len(r)) for r in rows]))
+    for i, (prompt, done) in enumerate(zip(prompts, out, strict=True)):
       self.assertLen(done.tokens, NEW)
-      tokens = jnp.asarray([prompt + done.tokens])
-      logits, _ = model(tokens)  # full causal forward pass, dense
-      want = jnp.argmax(logits[0, len(prompt) - 1 : -1], -1)
+      want = jnp.argmax(logits[i, len(prompt) - 1 : len(prompt) + NEW - 1], -1)
       np.testing.assert_array_equal(done.tokens, want)
       np.testing.assert_array_equal(done.tv_bound, 0.0)
       self.assertTrue(done.valid)
