@@ -995,16 +995,7 @@ def _exact_unless(redo, result, policy, query, cache, scale, cost, kw):
 
 
 def _codes_attempt(
-  policy: Certified,
-  query,
-  cache: KVCache,
-  scale,
-  extra,
-  *,
-  q_len=1,
-  residual,
-  candidates=True,
-  delta=None,
+  policy: Certified, query, cache: KVCache, scale, extra, **step_kw
 ):
   """Certified(eps) of every row from the key codes (THEORY 3.5):
   ``(result, redo, cost)``.
@@ -1027,19 +1018,16 @@ def _codes_attempt(
     scale: logit scale.
     extra: ``[]`` int32 products already computed for the row (Auto's
       sample), added to ``keys_scored``.
-    q_len: query steps folded into the groups (``_step``).
-    residual: whether to return the log-sum-exp residual.
-    candidates: ``_Step.candidates`` of the exact fallback.
-    delta: ``_step``'s.
+    **step_kw: ``_step``'s keywords (``q_len``, ``residual``,
+      ``candidates``, ``delta``), the exact search's too.
   """
-  kw = dict(q_len=q_len, residual=residual, candidates=candidates)
   q_in, q = _queries(query, cache)
   dt = q.dtype
   n = cache.max_len
   q_c, w = key_codes.query_terms(q_in)
   t = _cache.code_products(cache.key_codes, q_c)  # [b, hk, g, n]
   u, lo = key_codes.bounds_from_products(t, w, cache.key_exponents, scale=scale)
-  st = _step(query, cache, scale, s=u, delta=delta, **kw)
+  st = _step(query, cache, scale, s=u, **step_kw)
   real = st.real
   n_terms = 2 * n
   margin = core.search_log_margin(n_terms, st.delta, dt)
