@@ -416,24 +416,80 @@ def _below(st: _Step, below, group, row_ok):
   return dataclasses.replace(part, head_norm=zero, tail_norm=vmax)
 
 
-def _final(st: _Step, part, *, n_terms, failure_prob=0.0):
-  """``(o, Certificate, lse)`` of a finished row (``lse`` None unless
-  ``st.residual``: ``core.log_sum_exp_residual``)."""
-  o, cert = part.finalize(
-    n_terms=n_terms, failure_prob=failure_prob, scale_ok=st.scale_ok
-  )
-  lse = None
-  if st.residual:
-    lse = core.log_sum_exp_residual(part.log_head, cert.valid, st.n_valid == 0)
-  return o, cert, lse
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=("part", "n_terms", "scale_ok", "empty"),
+  meta_fields=("failure_prob", "residual"),
+)
+@dataclasses.dataclass(frozen=True)
+class _Done:
+  """A decided step before its finish: every branch of a program returns
+  one and the program finishes once (``_final``). XLA compiles each branch
+  of a ``lax.cond``, and a finish per branch (the output bound above all)
+  copied it into each: five copies in an ``Auto`` program.
+
+  Attributes:
+    part: the ``core.PartialSoftmax`` of every row, output and
+      ``keys_scored`` included.
+    n_terms: ``[]`` int32 terms of its masses (``finalize``'s).
+    scale_ok: bool ``[]`` (``_Step.scale_ok``).
+    empty: ``[b, hk, g]`` bool rows with no real key.
+    failure_prob: static (MC-Search's).
+    residual: static, whether the log-sum-exp residual is returned.
+  """
+
+  part: core.PartialSoftmax
+  n_terms: jax.Array
+  scale_ok: jax.Array
+  empty: jax.Array
+  failure_prob: float = 0.0
+  residual: bool = False
+
+  def tv_bound(self) -> jax.Array:
+    """The finished certificate's ``tv_bound`` (for a safety net)."""
+    return self.part.tv_bound(n_terms=self.n_terms, scale_ok=self.scale_ok)
 
 
-def _finish(st: _Step, part, *, failure_prob=0.0, keys_scored=None):
+def _done(st: _Step, part, *, n_terms=None, failure_prob=0.0, keys_scored=None):
+  """``part`` decided: ``keys_scored`` (default every real key) and
+  ``n_terms`` (default 2 n) set."""
   if keys_scored is None:
     keys_scored = st.n_valid
   part = dataclasses.replace(part, keys_scored=keys_scored)
   n = st.s.shape[-1]
-  return _final(st, part, n_terms=2 * n, failure_prob=failure_prob)
+  return _Done(
+    part=part,
+    n_terms=jnp.asarray(2 * n if n_terms is None else n_terms, jnp.int32),
+    scale_ok=jnp.asarray(st.scale_ok),
+    empty=st.n_valid == 0,
+    failure_prob=failure_prob,
+    residual=st.residual,
+  )
+
+
+def _final(done: _Done):
+  """``(o, Certificate, lse)`` of a decided step (``lse`` None unless
+  ``residual``: ``core.log_sum_exp_residual``)."""
+  part = done.part
+  o, cert = part.finalize(
+    n_terms=done.n_terms,
+    failure_prob=done.failure_prob,
+    scale_ok=done.scale_ok,
+  )
+  lse = None
+  if done.residual:
+    lse = core.log_sum_exp_residual(part.log_head, cert.valid, done.empty)
+  return o, cert, lse
+
+
+def _over_eps(done: _Done, st: _Step, policy: Certified, m_top=None):
+  """``[]`` bool: some valid row's finished bound exceeds eps (float
+  rounding beyond the margins, or an aim that missed), and it could have
+  kept more (fewer than ``m_top`` kept): a safety net redoes the batch."""
+  over = (done.tv_bound() > policy.eps) & (st.delta < jnp.inf)
+  if m_top is not None:
+    over = over & (done.part.k_kept < m_top)
+  return jnp.any(over)
 
 
 # ------------------------------------------------------------ candidates
@@ -521,8 +577,8 @@ def _values_at(st: _Step, idx, kept, capacity, *, may_exceed):
 def _finish_candidates(
   st: _Step, c: _Candidates, kept, capacity, *, may_exceed=False, **kw
 ):
-  """Certificate and output of ``kept`` ``[b, hk, g, cap]`` candidates
-  (``kw``: ``_finish``'s).
+  """The decided step (``_Done``) of ``kept`` ``[b, hk, g, cap]``
+  candidates (``kw``: ``_done``'s).
 
   The kept values are gathered when every row keeps <= ``capacity`` keys.
   With ``may_exceed`` (static: a kept set not capped by ``capacity``), a
@@ -541,7 +597,7 @@ def _finish_candidates(
     value_norms=c.vn,
     keys_scored=0,
   )
-  return _finish(st, core.merge(head, c.below), **kw)
+  return _done(st, core.merge(head, c.below), **kw)
 
 
 def _tie_break(s, ok, thresh, n_above, need_total):
@@ -581,13 +637,13 @@ def _group_for(n, kept):
 
 
 def _topk_of(st: _Step, topk, capacity):
-  """Exact Top-k of every row: ``(o, Certificate)``."""
+  """Exact Top-k of every row: a ``_Done``."""
   n = st.s.shape[-1]
 
   def full():
     t, n_above = threshold.topk_threshold(st.s, topk, st.real)
     keep = _tie_break(st.s, st.real, t, n_above, topk)
-    return _finish(st, _full_row(st, keep, capacity))
+    return _done(st, _full_row(st, keep, capacity))
 
   group = _group_for(n, capacity)
   if group < 4 or not st.candidates:
@@ -612,7 +668,7 @@ def _topk_of(st: _Step, topk, capacity):
 def _fixed_count(policy: FixedCount, st: _Step):
   n = st.s.shape[-1]
   if policy.kind == "dense":
-    return _finish(st, _full_row(st, st.real, n))
+    return _done(st, _full_row(st, st.real, n))
   topk = policy.row_num_kept(st.n_valid, n)  # [b, hk, g]
   return _topk_of(st, topk, policy.num_kept(n))
 
@@ -684,7 +740,7 @@ def _certified_exact(policy: Certified, st: _Step):
     t = threshold.budget_threshold(st.s, log_frac, real, relative=True)
     keep = real & (st.s >= t[..., None])
     keep = capped(st.s, real, keep, jnp.sum(keep, -1, dtype=jnp.int32))
-    return _finish(st, _full_row(st, keep, capacity))
+    return _done(st, _full_row(st, keep, capacity))
 
   group = _largest_group(n, CERTIFIED_GROUP)
   if group < 4 or not st.candidates:
@@ -715,14 +771,10 @@ def _certified_exact(policy: Certified, st: _Step):
     keep = c.ok & (c.s >= t[..., None])
     keep = capped(c.s, c.ok, keep, jnp.sum(keep, -1, dtype=jnp.int32))
     result = _finish_candidates(st, c, keep, capacity, may_exceed=m_top is None)
-    cert = result[1]
     # Safety net: a row that the bracket certified but whose finished
     # bound exceeds eps (float rounding beyond the margins) is redone in
     # full.
-    over = cert.valid & (cert.tv_bound > policy.eps) & (st.delta < jnp.inf)
-    if m_top is not None:
-      over = over & (cert.k_kept < m_top)
-    return result, ~jnp.any(over)
+    return result, ~_over_eps(result, st, policy, m_top)
 
   def overflow():
     return jax.tree.map(jnp.zeros_like, jax.eval_shape(candidates))
@@ -818,7 +870,9 @@ def _search_full(policy: Certified, search, st: _Step, rng):
   o = _kept_values_fn(keep, st.cache.values, capacity)(_kept_weights(s, keep))
   part = dataclasses.replace(part, o=o)
   fp = search.failure_prob
-  return _final(st, part, n_terms=n + n // bs, failure_prob=fp)
+  return _done(
+    st, part, n_terms=n + n // bs, failure_prob=fp, keys_scored=part.keys_scored
+  )
 
 
 def _box_search(policy: Certified, st: _Step, fallback, *, extra=0):
@@ -853,8 +907,7 @@ def _box_search(policy: Certified, st: _Step, fallback, *, extra=0):
   tried = tried + 2 * jnp.sum(cnt > 0, -1)
 
   def fall_back():
-    out, cert, lse = fallback()
-    return out, _plus_scored(cert, tried), lse
+    return _plus_scored(fallback(), tried)
 
   def finish():
     s, keep, _, pos, part = finish_compact(
@@ -868,8 +921,8 @@ def _box_search(policy: Certified, st: _Step, fallback, *, extra=0):
     capacity = min(n, policy.max_topk or max(1, int(n * CERTIFIED_CAPACITY)))
     value_fn = _values_at(st, pos, keep, capacity, may_exceed=True)
     part = dataclasses.replace(part, o=value_fn(_kept_weights(s, keep)))
-    out, cert, lse = _final(st, part, n_terms=n + n // bs)
-    return out, _plus_scored(cert, extra), lse
+    done = _done(st, part, n_terms=n + n // bs, keys_scored=part.keys_scored)
+    return _plus_scored(done, extra)
 
   return lax.cond(jnp.all(rs.certified), finish, fall_back)
 
@@ -983,8 +1036,8 @@ def _certified_codes(policy: Certified, query, cache: KVCache, scale, **kw):
 def _exact_plus(policy, query, cache, scale, cost, kw):
   """The exact search of every row, ``cost`` ``[b, hk, g]`` products
   already spent added to its ``keys_scored``."""
-  out, cert, lse = _certified_exact(policy, _step(query, cache, scale, **kw))
-  return out, _plus_scored(cert, cost), lse
+  done = _certified_exact(policy, _step(query, cache, scale, **kw))
+  return _plus_scored(done, cost)
 
 
 def _exact_unless(redo, result, policy, query, cache, scale, cost, kw):
@@ -1124,16 +1177,12 @@ def _codes_attempt(
       keys_scored=0,
     )
     part = core.merge(head, below_part)
-    return _finish(st, part, keys_scored=base_cost + count)
+    return _done(st, part, keys_scored=base_cost + count)
 
   result = scored()
-  cert = result[1]
   # Safety net: float rounding beyond the margins (or an aim that missed):
   # a valid row certified above eps is redone exactly.
-  over = cert.valid & (cert.tv_bound > policy.eps) & (st.delta < jnp.inf)
-  if m_top is not None:
-    over = over & (cert.k_kept < m_top)
-  return result, jnp.any(over), base_cost
+  return result, _over_eps(result, st, policy, m_top), base_cost
 
 
 def _codes_rows(
@@ -1191,8 +1240,8 @@ def _codes_rows(
 
   def keep_all():
     st = _step(query, cache, scale, **kw)
-    out, cert, lse = _finish(st, _full_row(st, st.real, st.s.shape[-1]))
-    return out, _plus_scored(cert, x), lse
+    done = _done(st, _full_row(st, st.real, st.s.shape[-1]))
+    return _plus_scored(done, x)
 
   def boxes_first(fallback):
     """Concentrated rows: the block boxes first (``_box_search``),
@@ -1208,9 +1257,12 @@ def _codes_rows(
   return lax.cond(jnp.max(choice) == _ALL, keep_all, concentrated)
 
 
-def _plus_scored(cert: Certificate, extra) -> Certificate:
-  """``cert`` with ``extra`` products (a sample's) added to keys_scored."""
-  return dataclasses.replace(cert, keys_scored=cert.keys_scored + extra)
+def _plus_scored(done: _Done, extra) -> _Done:
+  """``done`` with ``extra`` products (a sample's, an attempt's) added to
+  its keys_scored."""
+  part = done.part
+  part = dataclasses.replace(part, keys_scored=part.keys_scored + extra)
+  return dataclasses.replace(done, part=part)
 
 
 # ``_xla_decode``'s static arguments (tests that patch a route constant
@@ -1243,15 +1295,16 @@ def _xla_decode(
   kw = dict(q_len=q_len, residual=residual, candidates=candidates)
   certified = policy.kind == "certified"
   if certified and _by_codes(policy, cache):
-    out, cert, lse = _codes_rows(policy, query, cache, scale, **kw)
+    done = _codes_rows(policy, query, cache, scale, **kw)
   elif certified:
     st = _step(query, cache, scale, **kw)
     if policy.scores_all:
-      out, cert, lse = _certified_exact(policy, st)
+      done = _certified_exact(policy, st)
     else:
-      out, cert, lse = _certified_search(policy, st, rng)
+      done = _certified_search(policy, st, rng)
   else:
-    out, cert, lse = _fixed_count(policy, _step(query, cache, scale, **kw))
+    done = _fixed_count(policy, _step(query, cache, scale, **kw))
+  out, cert, lse = _final(done)  # the one finish of the program
   if q_len > 1:
     out, cert, lse = jax.tree.map(
       lambda x: _unfold(x, hk, q_len), (out, cert, lse)

@@ -259,7 +259,8 @@ class AutoDecodeTest(parameterized.TestCase):
       return result, jnp.bool_(True), cost
 
     def auto(q, cache):
-      out, cert, _ = _decode._codes_rows(policy, q, cache, d**-0.5)
+      done = _decode._codes_rows(policy, q, cache, d**-0.5)
+      out, cert, _ = _decode._final(done)
       return out.reshape(1, 1, h, -1), jax.tree.map(
         lambda x: x.reshape(1, 1, h), cert
       )

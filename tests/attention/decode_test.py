@@ -295,9 +295,9 @@ class DecodeTest(parameterized.TestCase):
       st = _decode._step(jnp.asarray(q), cache, scale)
       full = lambda: _decode._search_full(policy, policy.search, st, None)  # noqa: E731
       if not compact:
-        return full()
+        return _decode._final(full())
       nothing = lambda: jax.tree.map(lambda x: jnp.full_like(x, -1), full())  # noqa: E731
-      return _decode._box_search(policy, st, nothing)
+      return _decode._final(_decode._box_search(policy, st, nothing))
 
     (o1, c1, _), (o2, c2, _) = (
       jax.jit(run, static_argnums=0)(True),
@@ -405,7 +405,7 @@ class DefaultLevelTest(absltest.TestCase):
 
     def exact(q, cache, candidates):
       st = _decode._step(q, cache, d**-0.5, candidates=candidates)
-      return _decode._certified_exact(policy, st)[:2]
+      return _decode._final(_decode._certified_exact(policy, st))[:2]
 
     opts = {  # jax's defaults (the suite's flags: tests/conftest.py)
       "xla_backend_optimization_level": 3,

@@ -150,6 +150,14 @@ def log_sum_exp_residual(log_head, valid, empty) -> jax.Array:
   return finite_log(lse)
 
 
+def tv_up(log_tv, valid) -> jax.Array:
+  """The Certificate's tv_bound of a rounded-up log tv bound: ``exp_up``
+  of ``min(log_tv, 0)`` (never 0 for a positive bound), NaN where not
+  ``valid``."""
+  log_tv = jnp.where(valid, jnp.minimum(log_tv, 0.0), jnp.nan)
+  return jnp.where(valid, exp_up(log_tv), jnp.nan)
+
+
 def finish_certificate(
   log_tv,
   valid,
@@ -187,7 +195,7 @@ def finish_certificate(
   shape = valid.shape
   log_tv = jnp.broadcast_to(jnp.asarray(log_tv), shape)
   log_tv = jnp.where(valid, jnp.minimum(log_tv, 0.0), jnp.nan)
-  tv = jnp.where(valid, exp_up(log_tv), jnp.nan)
+  tv = tv_up(log_tv, valid)
   log_tv = finite_log(log_tv)  # tv_bound 0: the most negative float
   err = None
   if head_norm is not None:

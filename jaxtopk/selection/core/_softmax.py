@@ -13,6 +13,7 @@ from jaxtopk.selection.core._finish import finish_certificate
 from jaxtopk.selection.core._finish import logits_ok
 from jaxtopk.selection.core._finish import row_valid
 from jaxtopk.selection.core._finish import tail_log_bound
+from jaxtopk.selection.core._finish import tv_up
 from jaxtopk.selection.core._numerics import _EXP_ULPS
 from jaxtopk.selection.core._numerics import _eps
 from jaxtopk.selection.core._numerics import _leaf_err
@@ -456,23 +457,9 @@ class PartialSoftmax:
       logits_ok=red(parts.logits_ok, jnp.all),
     )
 
-  def finalize(
-    self, *, n_terms, failure_prob: float = 0.0, scale_ok=True
-  ) -> tuple[jax.Array | None, Certificate]:
-    """The output and Certificate of a row whose keys have all been seen.
-
-    Args:
-      n_terms: number of terms reduced into the masses (keys plus unscored
-        blocks; a static int is fine), for ``log_slack``.
-      failure_prob: static probability that the bound fails (MC-Search).
-      scale_ok: bool (or ``[...]``), False for a traced scale that is not
-        finite and > 0.
-
-    Returns:
-      ``(o, certificate)``: ``o`` ``[..., d_v]`` (zeros on invalid rows) or
-      None, and the Certificate (``row_valid``; tv_bound from
-      ``tail_log_bound``, output_error_bound from ``output_error_bound``).
-    """
+  def _log_tv(self, *, n_terms, scale_ok=True):
+    """``(log_tv, valid)``: the rounded-up log tv bound (``tail_log_bound``)
+    and the row validity (``row_valid``) of ``finalize``."""
     out_ok = True
     if self.o is not None:
       out_ok = jnp.all(jnp.isfinite(self.o), axis=-1)
@@ -503,6 +490,32 @@ class PartialSoftmax:
       logit_error=self.logit_error,
       ok=valid,
     )
+    return log_tv, valid
+
+  def tv_bound(self, *, n_terms, scale_ok=True) -> jax.Array:
+    """``finalize``'s ``Certificate.tv_bound`` alone (NaN on invalid rows),
+    without the output bound: for a check before the finish (a safety net
+    that redoes rows certified above eps), the finish itself once after."""
+    return tv_up(*self._log_tv(n_terms=n_terms, scale_ok=scale_ok))
+
+  def finalize(
+    self, *, n_terms, failure_prob: float = 0.0, scale_ok=True
+  ) -> tuple[jax.Array | None, Certificate]:
+    """The output and Certificate of a row whose keys have all been seen.
+
+    Args:
+      n_terms: number of terms reduced into the masses (keys plus unscored
+        blocks; a static int or an int array), for ``log_slack``.
+      failure_prob: static probability that the bound fails (MC-Search).
+      scale_ok: bool (or ``[...]``), False for a traced scale that is not
+        finite and > 0.
+
+    Returns:
+      ``(o, certificate)``: ``o`` ``[..., d_v]`` (zeros on invalid rows) or
+      None, and the Certificate (``row_valid``; tv_bound from
+      ``tail_log_bound``, output_error_bound from ``output_error_bound``).
+    """
+    log_tv, valid = self._log_tv(n_terms=n_terms, scale_ok=scale_ok)
     cert = finish_certificate(
       log_tv,
       valid,
@@ -515,7 +528,7 @@ class PartialSoftmax:
     )
     o = self.o
     if o is not None:
-      o = jnp.where(valid[..., None], o, jnp.zeros((), dt))
+      o = jnp.where(valid[..., None], o, jnp.zeros((), self.m.dtype))
     return o, cert
 
 
