@@ -227,7 +227,9 @@ def box_upper_bound_dot(query, box, *, scale) -> jax.Array:
     scale: positive logit scale.
 
   Returns:
-    ``[..., g, n_blocks]`` upper bounds, -inf for empty blocks.
+    ``[..., g, n_blocks]`` upper bounds, -inf for empty blocks; +inf where
+    the float sums overflow (a query whose |q|_1 exceeds the largest
+    float: inf - inf would read NaN); NaN only for NaN inputs.
   """
   dt = box.kmin.dtype
   q = query.astype(dt)
@@ -237,12 +239,15 @@ def box_upper_bound_dot(query, box, *, scale) -> jax.Array:
   )
   u = ein(qp, box.kmax) - ein(qm, box.kmin)  # [..., nb]
   amax = core.max_nan(jnp.maximum(jnp.abs(box.kmin), jnp.abs(box.kmax)), -1)
-  q1 = jnp.sum(jnp.abs(q), -1)  # [..., g]
-  abs_terms = q1[..., None] * amax[..., None, :]  # >= sum_c |terms_c|
+  amax = amax[..., None, :]
+  q1 = jnp.sum(jnp.abs(q), -1)[..., None]  # [..., g, 1]
+  # >= sum_c |terms_c|; 0 for a block of zero keys (no inf x 0).
+  abs_terms = jnp.where(amax > 0, q1 * amax, 0.0)
   d = q.shape[-1]
   eps = jnp.finfo(dt).eps
   u = scale * (u + (d + 3) * eps * abs_terms)
   u = u + jnp.abs(u) * 2 * eps
+  u = jnp.where(jnp.isnan(u) & ~jnp.isnan(q1 + amax), jnp.inf, u)
   return jnp.where(box.count[..., None, :] > 0, u, -jnp.inf)
 
 

@@ -155,6 +155,26 @@ class SearchTest(parameterized.TestCase):
     want_abs = 0.4 * np.einsum("rgd,rnd->rgn", np.abs(q), np.abs(k)).max(-1)
     self.assertTrue(np.all(np.asarray(absdot, np.float64) >= want_abs))
 
+  def test_dot_box_bound_overflow_is_inf_never_nan(self):
+    # |q|_1 = 6e38 overflows while every logit is moderate: the slack reads
+    # inf, and a block of zero keys (inf x 0) read NaN, which made the
+    # searched row invalid. Now: +inf (sound) on the non-zero blocks, the
+    # exact 0 on the zero block; NaN queries still give NaN.
+    k = np.zeros((1, 3 * BS, 4), np.float32)
+    k[0, :BS] = [2.0, 1e-30, 1.0, 0.0]  # moderate logits against q
+    k[0, BS : 2 * BS] = [-1.0, 0.5, 0.0, 1e-38]
+    box = theory.box_summary(k, block_size=BS)  # block 2: zero keys
+    q = np.array([[[1e-20, 1e-38, 3e38, 3e38]]], np.float32)  # [1, 1, 4]
+    u = np.asarray(_search.box_upper_bound_dot(q, box, scale=0.5))
+    self.assertFalse(np.any(np.isnan(u)), u)
+    self.assertEqual(u[0, 0, 2], 0.0)
+    s = np.einsum("gd,nd->gn", q[0].astype(np.float64), k[0]) * 0.5
+    smax = s.reshape(1, 3, BS).max(-1)
+    self.assertTrue(np.all(u[0] >= smax), (u, smax))
+    nan_q = np.array([[[np.nan, 1.0, 1.0, 1.0]]], np.float32)
+    u = np.asarray(_search.box_upper_bound_dot(nan_q, box, scale=0.5))
+    self.assertTrue(np.all(np.isnan(u)), u)
+
   def test_dot_box_bound_of_a_cache_needs_no_zeroed_boxes(self):
     # A KVCache's empty blocks keep their initial +-inf boxes; the bound
     # masks them by count, so the raw boxes give the zeroed boxes' bounds.
