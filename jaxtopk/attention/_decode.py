@@ -425,8 +425,8 @@ def _below(st: _Step, below, group, row_ok):
 class _Done:
   """A decided step before its finish: every branch of a program returns
   one and the program finishes once (``_final``). XLA compiles each branch
-  of a ``lax.cond``, and a finish per branch (the output bound above all)
-  copied it into each: five copies in an ``Auto`` program.
+  of a ``lax.cond``: a finish inside the branches (the output bound above
+  all) would be compiled once per branch.
 
   Attributes:
     part: the ``core.PartialSoftmax`` of every row, output and
